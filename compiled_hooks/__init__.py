@@ -1,0 +1,21 @@
+"""Compile-native data-parallel gradient communication for PyTorch.
+
+The gradient-communication hooks of ``torch.distributed.algorithms._comm_hooks.default_hooks``
+rewritten with functional collectives, so ``torch.compile`` traces them without graph breaks.
+"""
+
+from .ddp import compile_ddp, compiled_autograd, ddp_comm_hook
+from .hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
+from .state import DefaultState, LowPrecisionState
+
+__all__ = [
+    "DefaultState",
+    "LowPrecisionState",
+    "allreduce_hook",
+    "reduce_scatter_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "ddp_comm_hook",
+    "compile_ddp",
+    "compiled_autograd",
+]

@@ -1,0 +1,114 @@
+"""DistributedDataParallel adapter and the one supported way to compile DDP with a hook.
+
+DDP calls a comm hook in two ways:
+
+* C++ reducer (eager DDP): ``hook(state, bucket: GradBucket) -> Future[Tensor]``, once per
+  bucket; the future must hold the bucket's new flat buffer.
+* Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, backward under
+  compiled autograd): ``hook(state, (param.grad, param))`` once per parameter, return value
+  ignored; the hook must update ``param.grad`` in place. Compiled autograd traces these calls
+  into the backward graph, so functional collectives are required.
+
+:func:`ddp_comm_hook` turns a hook of this package (``hook(state, grad)``) into one callable
+that serves both. :func:`compile_ddp` and :func:`compiled_autograd` set the flags a compiled
+DDP step needs, in the order it needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["ddp_comm_hook", "compile_ddp", "compiled_autograd"]
+
+
+def _required_positional(fn: Callable) -> int:
+    params = inspect.signature(fn).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
+    """Wrap ``hook(state, grad)`` for ``DistributedDataParallel.register_comm_hook(state, ...)``.
+
+    The wrapper's second parameter is named ``bucket`` (DDP checks that name). With a
+    ``GradBucket`` it runs ``hook`` on the bucket's flat buffer and returns a completed future
+    of it; with ``(grad, param)`` (python reducer) it runs ``hook`` on ``grad`` in place.
+    Hooks that need an ``output`` shard (``reduce_scatter_hook``) are refused: DDP all-reduces.
+    """
+    if not callable(hook):
+        raise TypeError(f"ddp_comm_hook: hook must be callable, got {type(hook).__name__}.")
+    if _required_positional(hook) != 2:
+        raise TypeError(
+            f"ddp_comm_hook: {getattr(hook, '__name__', hook)!r} must be callable as hook(state, grad); "
+            "DDP all-reduces whole gradients, so reduce-scatter hooks (which need an output shard) "
+            "do not apply."
+        )
+
+    # No annotations (and no functools.wraps, which would copy the hook's): DDP accepts only
+    # GradBucket / Future[Tensor] ones, and this wrapper also takes (grad, param) tuples.
+    def ddp_hook(state, bucket):
+        if isinstance(bucket, tuple):  # python reducer: (param.grad, param)
+            hook(state, bucket[0])
+            return None
+        buffer = bucket.buffer()
+        hook(state, buffer)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+
+    # DDP refuses any hook named "bf16_compress_hook" unless CUDA+NCCL is present, and reads
+    # __qualname__ for its logs; a distinct name keeps both right.
+    ddp_hook.__name__ = f"ddp_{hook.__name__}"
+    ddp_hook.__qualname__ = f"ddp_comm_hook({getattr(hook, '__qualname__', hook.__name__)})"
+    ddp_hook.__doc__ = hook.__doc__
+    return ddp_hook
+
+
+def compile_ddp(
+    module: torch.nn.Module,
+    state: Any = None,
+    hook: Callable[..., Any] | None = None,
+    *,
+    compile_kwargs: dict[str, Any] | None = None,
+    **ddp_kwargs: Any,
+) -> tuple[DistributedDataParallel, Callable[..., Any]]:
+    """Build DDP in python-reducer mode, register ``hook`` and compile the forward.
+
+    Returns ``(ddp, compiled)``: call ``compiled(...)`` for the forward and run the backward
+    inside :func:`compiled_autograd` so the hook's collectives land in the compiled backward
+    graph. Sets ``torch._dynamo.config.optimize_ddp = "python_reducer"`` for the process
+    (DDP reads it at construction, Dynamo at compile time).
+
+    Example::
+
+        ddp, model = compile_ddp(net, LowPrecisionState(dist.group.WORLD), bf16_compress_hook)
+        with compiled_autograd():
+            model(x).sum().backward()
+    """
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    ddp = DistributedDataParallel(module, **ddp_kwargs)
+    if hook is not None:
+        ddp.register_comm_hook(state, ddp_comm_hook(hook))
+    return ddp, torch.compile(ddp, **(compile_kwargs or {}))
+
+
+@contextlib.contextmanager
+def compiled_autograd(**compile_kwargs: Any) -> Iterator[None]:
+    """Run backward passes in this block under compiled autograd (``torch.compile`` of the
+    autograd graph with ``compile_kwargs``, default Inductor, fullgraph)."""
+    if torch._dynamo.config.optimize_ddp != "python_reducer":
+        raise RuntimeError(
+            "compiled_autograd: set torch._dynamo.config.optimize_ddp = 'python_reducer' before "
+            "building DistributedDataParallel (compile_ddp does both); with the C++ reducer DDP's "
+            "hooks are not traced by compiled autograd."
+        )
+    kwargs = {"fullgraph": True, **compile_kwargs}
+    with torch._dynamo.compiled_autograd._enable(functools.partial(torch.compile, **kwargs)):
+        yield

@@ -1,0 +1,28 @@
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """An in-process default group of ``world_size`` fake ranks (no communication)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_pg():
+    with fake_process_group(8) as pg:
+        yield pg
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    yield
+    torch._dynamo.reset()

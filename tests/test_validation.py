@@ -1,0 +1,125 @@
+"""Misuse of the public API raises a clear error on every rank before any collective.
+
+Each case runs on 2 gloo ranks under a dispatch mode that counts c10d ops; a case passes
+when every rank raised the expected type and message and issued no collective. The group
+stays usable afterwards (a final all_reduce agrees), so no rank is left diverged.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import compiled_hooks as ch
+from tests.ranks import run_ranks
+
+
+class CountCollectives(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("_c10d_functional", "c10d"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _state(g):
+    return ch.DefaultState(g)
+
+
+def _lp(g, dtype=torch.float32):
+    return ch.LowPrecisionState(g, dtype)
+
+
+# id: (call(group), exception type, message fragment)
+CASES = {
+    "state_without_group": (lambda g: ch.DefaultState(None), ValueError, "explicit ProcessGroup"),
+    "state_with_rank_list": (lambda g: ch.DefaultState([0, 1]), TypeError, "expects a torch.distributed.ProcessGroup"),
+    "low_precision_int_type": (lambda g: _lp(g, torch.int32), TypeError, "parameter_type must be a floating"),
+    "no_state": (lambda g: ch.allreduce_hook(None, torch.ones(4)), TypeError, "state must be a DefaultState"),
+    "default_state_to_compress_hook": (
+        lambda g: ch.bf16_compress_hook(_state(g), torch.ones(4)), TypeError, "state must be a LowPrecisionState"),
+    "group_removed_from_state": (
+        lambda g: ch.allreduce_hook(_without_group(_state(g)), torch.ones(4)), ValueError, "process_group is None"),
+    "grad_not_tensor": (lambda g: ch.allreduce_hook(_state(g), [1.0, 2.0]), TypeError, "grad must be a torch.Tensor"),
+    "integer_grad": (lambda g: ch.allreduce_hook(_state(g), torch.ones(4, dtype=torch.int64)), TypeError,
+                     "grad must be a floating-point tensor, got dtype torch.int64"),
+    "sparse_grad": (lambda g: ch.allreduce_hook(_state(g), torch.ones(4).to_sparse()), TypeError,
+                    "dense \\(strided\\) tensor"),
+    "parameter_instead_of_grad": (
+        lambda g: ch.allreduce_hook(_state(g), torch.nn.Parameter(torch.ones(4))), ValueError, "leaf that requires grad"),
+    "reduce_scatter_wrong_size": (
+        lambda g: ch.reduce_scatter_hook(_state(g), torch.ones(10), torch.empty(4)), ValueError,
+        "grad.numel\\(\\)=10, world_size=2, output.numel\\(\\)=4"),
+    "reduce_scatter_missing_output": (
+        lambda g: ch.reduce_scatter_hook(_state(g), torch.ones(8), None), TypeError, "output must be a torch.Tensor"),
+    "reduce_scatter_output_dtype": (
+        lambda g: ch.reduce_scatter_hook(_state(g), torch.ones(8), torch.empty(4, dtype=torch.float64)), TypeError,
+        "output has dtype torch.float64 but the result is torch.float32"),
+    "reduce_scatter_output_device": (
+        lambda g: ch.reduce_scatter_hook(_state(g), torch.ones(8), torch.empty(4, device="meta")), ValueError,
+        "output is on meta but grad is on cpu"),
+    "compress_grad_not_parameter_type": (
+        lambda g: ch.bf16_compress_hook(_lp(g), torch.ones(4, dtype=torch.bfloat16)), TypeError,
+        "grad has dtype torch.bfloat16 but the result is torch.float32"),
+    "compress_output_not_parameter_type": (
+        lambda g: ch.fp16_compress_hook(_lp(g), torch.ones(8), torch.empty(4, dtype=torch.float16)), TypeError,
+        "output has dtype torch.float16 but the result is torch.float32"),
+    "compress_output_wrong_size": (
+        lambda g: ch.fp16_compress_hook(_lp(g), torch.ones(8), torch.empty(3)), ValueError,
+        "reduce-scatter needs grad.numel\\(\\) == world_size \\* output.numel\\(\\)"),
+    "ddp_wrap_reduce_scatter_hook": (
+        lambda g: ch.ddp_comm_hook(ch.reduce_scatter_hook), TypeError, "reduce-scatter hooks"),
+    "ddp_wrap_not_callable": (lambda g: ch.ddp_comm_hook(42), TypeError, "hook must be callable"),
+    "compiled_autograd_without_python_reducer": (
+        lambda g: ch.compiled_autograd().__enter__(), RuntimeError, "optimize_ddp = 'python_reducer'"),
+}
+
+
+def _without_group(state):
+    state.process_group = None
+    return state
+
+
+def misuse_worker(rank, world_size):
+    group = dist.group.WORLD
+    results = {}
+    for name, (call, _, _) in CASES.items():
+        counter = CountCollectives()
+        try:
+            with counter:
+                call(group)
+            results[name] = (None, "no exception", counter.count)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            results[name] = (type(e), str(e), counter.count)
+    counter = CountCollectives()  # positive control: a valid call is counted
+    with counter:
+        ch.bf16_compress_hook(_lp(group), torch.ones(4))
+    check = torch.tensor([float(rank + 1)])
+    dist.all_reduce(check)
+    return results, (check.item(), counter.count)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_ranks(misuse_worker, 2, timeout=120)
+
+
+def test_group_usable_after_all_cases_and_counter_works(outcomes):
+    # every rank reaches the final all_reduce; a valid hook call issues collectives
+    assert [check for _, (check, _) in outcomes] == [3.0, 3.0]
+    assert all(count > 0 for _, (_, count) in outcomes)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_misuse_raises_before_any_collective(outcomes, case):
+    _, exc_type, fragment = CASES[case]
+    for rank, (results, _) in enumerate(outcomes):
+        got_type, message, collectives = results[case]
+        assert got_type is exc_type, f"rank {rank}: {got_type} {message}"
+        assert re.search(fragment, message), f"rank {rank}: {message!r}"
+        assert collectives == 0, f"rank {rank} issued {collectives} collective(s) before raising"
