@@ -124,10 +124,12 @@ def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        if not run(rank, world_size, args.steps, args.tolerance):
-            sys.exit(1)
+        ok = run(rank, world_size, args.steps, args.tolerance)
+        dist.barrier()  # gloo aborts a process whose peer tore the group down first
     finally:
         dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
 
 
 def _free_port() -> int:
@@ -146,6 +148,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         try:
             ok = run(dist.get_rank(), dist.get_world_size(), args.steps, args.tolerance)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         sys.exit(0 if ok else 1)

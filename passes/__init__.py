@@ -1,7 +1,21 @@
 """FX graph passes over Inductor's post-grad graph for gradient collectives.
 
-Filled by the graph-passes work (``fold_collective_scaling``, ``fuse_collective_casts``,
-``Pipeline``, ``install``); nothing is registered with Inductor yet.
+Each pass is a plain function ``pass(graph: torch.fx.Graph, **options) -> bool`` (True when it
+changed the graph) that follows the contract in the README: it rewrites only what it can prove
+safe, keeps ``meta["val"]`` valid, is idempotent, and never makes an order of collectives that
+depends on the rank. ``install()`` registers a :class:`Pipeline` of them with Inductor.
 """
 
-__all__: list[str] = []
+from . import testing
+from .fold_collective_scaling import fold_collective_scaling
+from .fuse_collective_casts import fuse_collective_casts
+from .pipeline import Pipeline, default_pipeline, install
+
+__all__ = [
+    "fold_collective_scaling",
+    "fuse_collective_casts",
+    "Pipeline",
+    "default_pipeline",
+    "install",
+    "testing",
+]

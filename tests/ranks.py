@@ -26,18 +26,21 @@ class RankError(RuntimeError):
 def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    reported = False
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
         q.put((rank, "ok", buf.getvalue()))
+        reported = True
+        # gloo aborts a process whose peer tore the group down first: leave together
+        dist.barrier()
+        dist.destroy_process_group()
     except BaseException as e:  # report everything, including SystemExit/KeyboardInterrupt
-        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        if not reported:
+            q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:

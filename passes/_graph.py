@@ -1,0 +1,197 @@
+"""What the passes share: op sets, chain matching around a collective, group facts, bookkeeping.
+
+A *chain* is what a comm hook puts around one collective in the post-grad graph::
+
+    start -> [scale | cast | view]* -> COLLECTIVE -> wait_tensor -> [scale | cast | view]* -> end
+
+``scale`` is a multiplication or division by a Python number, ``cast`` a floating dtype
+conversion, ``view`` a reshape. Every node strictly between ``start`` and ``end`` has exactly
+one user (the next node of the chain), so a pass may rewrite the inside of a chain without
+any other node seeing a different value. ``end`` (the last post node, or the wait) may have
+any users.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from fractions import Fraction
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+from torch._dynamo.utils import counters
+from torch.fx import Graph, Node
+
+log = logging.getLogger("passes")
+
+aten, prims = torch.ops.aten, torch.ops.prims
+c10d_ops = torch.ops._c10d_functional
+
+ALL_REDUCE = c10d_ops.all_reduce.default
+REDUCE_SCATTER = c10d_ops.reduce_scatter_tensor.default
+WAIT = c10d_ops.wait_tensor.default
+COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER)
+
+MUL_OPS = (aten.mul.Tensor, aten.mul.Scalar)
+DIV_OPS = (aten.div.Tensor, aten.div.Scalar)
+CAST_OPS = (prims.convert_element_type.default, aten._to_copy.default)
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+# Backends whose all_reduce / reduce_scatter implement ReduceOp.AVG (checked on torch 2.13).
+# "fake" is the test backend: it performs no communication.
+AVG_BACKENDS = frozenset({"gloo", "nccl", "fake"})
+
+
+def record(pass_name: str, event: str, node: Optional[Node] = None) -> None:
+    """Count ``event`` in ``counters["passes"]`` and log it (logger ``passes``, DEBUG)."""
+    counters["passes"][f"{pass_name}: {event}"] += 1
+    log.debug("%s: %s%s", pass_name, event, f" at {node.name}" if node is not None else "")
+
+
+def is_op(node: Any, ops: tuple) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in ops
+
+
+def val(node: Node) -> Any:
+    return node.meta.get("val")
+
+
+def scale_factor(node: Node) -> Optional[Fraction]:
+    """The exact factor ``node`` multiplies its first argument by, or None if it is no
+    constant scale (a tensor factor, a rounding mode, a non-finite or zero factor)."""
+    if not is_op(node, MUL_OPS + DIV_OPS) or node.kwargs or len(node.args) != 2:
+        return None
+    c = node.args[1]
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or c == 0 or c != c or abs(c) == float("inf"):
+        return None
+    f = Fraction(c)
+    return f if node.target in MUL_OPS else 1 / f
+
+
+def is_scale(node: Any) -> bool:
+    return is_op(node, MUL_OPS + DIV_OPS)
+
+
+def cast_dtype(node: Node) -> Optional[torch.dtype]:
+    """Target dtype of a pure floating dtype conversion, else None."""
+    if not is_op(node, CAST_OPS):
+        return None
+    if node.target is prims.convert_element_type.default:
+        dtype = node.args[1]
+    else:
+        if set(node.kwargs) - {"dtype"} or len(node.args) != 1:
+            return None  # also changes device, layout or memory format
+        dtype = node.kwargs.get("dtype")
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def is_chain_op(node: Any) -> bool:
+    return isinstance(node, Node) and (is_scale(node) or cast_dtype(node) is not None or is_op(node, VIEW_OPS))
+
+
+@dataclasses.dataclass
+class Chain:
+    """One collective and the hook ops around it (see the module docstring)."""
+
+    collective: Node
+    wait: Node
+    start: Node  # the value the hook started from
+    pre: list[Node]  # start -> ... -> collective input, in data-flow order
+    post: list[Node]  # wait -> ... -> end, in data-flow order (wait excluded)
+    problem: Optional[str] = None  # why the chain must not be rewritten
+
+    @property
+    def end(self) -> Node:
+        return self.post[-1] if self.post else self.wait
+
+    @property
+    def reduce_op(self) -> str:
+        return self.collective.args[1]
+
+    @property
+    def group_name(self) -> Any:
+        return self.collective.args[-1]
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return val(self.collective.args[0]).dtype
+
+    def scales(self) -> list[Node]:
+        return [n for n in self.pre + self.post if is_scale(n)]
+
+
+def match_chain(collective: Node) -> Optional[Chain]:
+    """The chain around ``collective``; None if it is not a single-wait functional collective."""
+    if not is_op(collective, COLLECTIVES) or len(collective.users) != 1:
+        return None
+    (wait,) = collective.users
+    if not is_op(wait, (WAIT,)):
+        return None
+    problem = None
+
+    pre: list[Node] = []
+    node = collective.args[0]
+    while is_chain_op(node) and len(node.users) == 1:
+        pre.append(node)
+        node = node.args[0]
+    if is_scale(node) or cast_dtype(node) is not None:
+        problem = f"intermediate {node.name} has another user"
+    pre.reverse()
+    start = node
+
+    post: list[Node] = []
+    node = wait
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not (is_chain_op(user) and user.args[0] is node):
+            break
+        post.append(user)
+        node = user
+    if len(node.users) > 1 and any(is_scale(u) for u in node.users):
+        problem = problem or f"intermediate {node.name} has another user"
+    for n in pre + post:
+        if is_scale(n) and scale_factor(n) is None:
+            problem = problem or f"non-constant factor at {n.name}"
+    return Chain(collective, wait, start, pre, post, problem)
+
+
+def chains(graph: Graph) -> list[Chain]:
+    """Every matched chain, in graph order of the collectives."""
+    out = []
+    for node in graph.nodes:
+        chain = match_chain(node)
+        if chain is not None:
+            out.append(chain)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+    size: int
+    backend: str
+
+
+def group_info(group_name: Any) -> Optional[GroupInfo]:
+    """Size and backend of the group a collective names; None if it cannot be resolved
+    (a group passed as a graph input, or one this process does not know)."""
+    if not isinstance(group_name, str):
+        return None
+    try:
+        pg = c10d._resolve_process_group(group_name)
+        return GroupInfo(pg.size(), str(c10d.get_backend(pg)).lower())
+    except Exception:  # noqa: BLE001 - an unknown group is simply not ours to rewrite
+        return None
+
+
+def new_node(graph: Graph, target: Callable, args: tuple, kwargs: Optional[dict] = None, name: str = "") -> Node:
+    """Create ``target(*args, **kwargs)`` at the graph's insert point with a valid ``meta["val"]``."""
+    node = graph.create_node("call_function", target, args, kwargs or {}, name=name or None)
+    fake_args = torch.fx.node.map_arg((args, kwargs or {}), val)
+    mode = torch._guards.detect_fake_mode([v for v in torch.utils._pytree.tree_leaves(fake_args)
+                                           if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise RuntimeError(f"{target}: inputs carry no fake tensor values (meta['val'])")
+    with mode:
+        node.meta["val"] = target(*fake_args[0], **fake_args[1])
+    return node

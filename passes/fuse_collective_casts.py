@@ -1,0 +1,144 @@
+"""fuse_collective_casts: bucket compressed collectives, casts and scales inside the bucket.
+
+Compiled DDP with a compression hook issues one small collective per parameter: Inductor's
+``ddp_fusion`` only buckets all_reduces fed by a plain division. This pass buckets the
+compressed ones (the collective's input is a cast to a narrower float dtype) per
+(collective, group, reduce op, wire dtype), adjacent in collective order, up to
+``bucket_cap_mb`` of wire bytes (``first_bucket_cap_mb`` for the first bucket, as DDP does).
+
+For two gradients ``a`` and ``b`` (after ``fold_collective_scaling``)::
+
+    before                                     after
+    ca = convert_element_type(a, bf16)         ca = convert_element_type(a, bf16)
+    ra = all_reduce(ca, "avg", group)          cb = convert_element_type(b, bf16)
+    wa = wait_tensor(ra)                       flat = cat([reshape(ca, [-1]), reshape(cb, [-1])])
+    oa = convert_element_type(wa, f32)         r = all_reduce(flat, "avg", group)
+    cb = convert_element_type(b, bf16)         ...                # rest of backward overlaps
+    rb = all_reduce(cb, "avg", group)          w = wait_tensor(r)
+    wb = wait_tensor(rb)                       oa = convert_element_type(view(slice(w, 0, 0, na), sa), f32)
+    ob = convert_element_type(wb, f32)         ob = convert_element_type(view(slice(w, 0, na, na+nb), sb), f32)
+    copy_(ga, oa); copy_(gb, ob)               copy_(ga, oa); copy_(gb, ob)
+
+Every member's pre-collective ops (scales, casts, views) move next to the ``cat``, so Inductor
+computes them straight into the flat buffer (one copy-in); every member's post-collective
+ops read a slice of the bucket, so the decompress is fused into the copy-out. The bucket is
+issued right after its last member's input is ready, and waited right before the first use
+of any member's result, so it overlaps with the rest of the graph. A reduce_scatter bucket
+lays members out rank-major (``cat`` of ``[N, -1]`` views along dim 1), so each rank's
+shard holds its shard of every member.
+
+Collective order stays a function of the graph alone (buckets follow graph order), so every
+rank issues the same collectives in the same order. Idempotent: a bucket's input is a ``cat``,
+not a cast, so it is never a candidate again. Members are left alone when their chain has a
+non-constant factor or a shared intermediate, and a bucket is dropped when a member's result
+is used before the bucket's last input is ready; both are counted in ``counters["passes"]``.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch._inductor.fx_passes.bucketing import greedy_bucket_collective_by_mb
+from torch.fx import Graph, Node
+
+from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, new_node, record, val
+
+PASS = "fuse_collective_casts"
+
+
+def _compressed(chain: Chain) -> bool:
+    for n in reversed(chain.pre):
+        dtype = cast_dtype(n)
+        if dtype is not None:
+            return dtype.itemsize < val(n.args[0]).dtype.itemsize
+    return False
+
+
+def _key(chain: Chain) -> tuple[Any, ...]:
+    return (chain.collective.target, chain.group_name, chain.reduce_op, chain.wire_dtype, val(chain.collective).device)
+
+
+def _merge(graph: Graph, bucket: list[Chain]) -> bool:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    moving = {n for c in bucket for n in c.pre + [c.collective, c.wait]}
+    anchor = max((c.start for c in bucket), key=order.__getitem__)
+    users = [u for c in bucket for u in c.end.users]
+    first_use = min(users, key=order.__getitem__)
+    if order[first_use] <= order[anchor]:
+        record(PASS, "skipped bucket: a member's result is used before its last input is ready", first_use)
+        return False
+
+    insert_before = anchor.next
+    while insert_before in moving or insert_before.op == "placeholder":
+        insert_before = insert_before.next
+    rs = bucket[0].collective.target is REDUCE_SCATTER
+    group_size = bucket[0].collective.args[2] if rs else None
+
+    flats = []
+    for c in bucket:
+        for n in c.pre:
+            insert_before.prepend(n)
+        with graph.inserting_before(insert_before):
+            inp = c.collective.args[0]
+            flats.append(new_node(graph, aten.reshape.default, (inp, [group_size, -1] if rs else [-1])))
+    with graph.inserting_before(insert_before):
+        flat = new_node(graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat")
+        if rs:
+            flat = new_node(graph, aten.reshape.default, (flat, [-1]))
+        rest = bucket[0].collective.args[1:]
+        target = REDUCE_SCATTER if rs else ALL_REDUCE
+        coll = new_node(graph, target, (flat, *rest), name="bucket_" + target._schema.name.split("::")[-1])
+
+    with graph.inserting_before(first_use):
+        wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
+    offset = 0
+    for c in bucket:
+        out = val(c.collective)
+        with graph.inserting_before(first_use):
+            piece = new_node(graph, aten.slice.Tensor, (wait, 0, offset, offset + out.numel()))
+            if out.dim() != 1:
+                piece = new_node(graph, aten.view.default, (piece, list(out.shape)))
+        offset += out.numel()
+        c.wait.replace_all_uses_with(piece)
+        for n in c.post:
+            first_use.prepend(n)
+        graph.erase_node(c.wait)
+        graph.erase_node(c.collective)
+    record(PASS, f"bucketed {len(bucket)} collectives into one", coll)
+    return True
+
+
+def fuse_collective_casts(graph: Graph, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0) -> bool:
+    """Bucket compressed all_reduce / reduce_scatter chains (see the module docstring).
+    Returns True when the graph changed."""
+    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+        raise ValueError(f"{PASS}: bucket caps must be positive, got {bucket_cap_mb}, {first_bucket_cap_mb}")
+    candidates: dict[Node, Chain] = {}
+    for chain in chains(graph):
+        if not _compressed(chain):
+            continue
+        if chain.problem:
+            record(PASS, f"skipped: {chain.problem}", chain.collective)
+            continue
+        if not isinstance(chain.group_name, str):
+            record(PASS, "skipped: group passed as a graph input", chain.collective)
+            continue
+        candidates[chain.collective] = chain
+    if len(candidates) < 2:
+        return False
+
+    def cap(bucket_index: int) -> float:
+        return first_bucket_cap_mb if bucket_index == 0 else bucket_cap_mb
+
+    buckets = greedy_bucket_collective_by_mb(
+        types.SimpleNamespace(graph=graph),  # it reads only .graph
+        cap,
+        candidates.__contains__,
+        lambda n: _key(candidates[n]),
+    )
+    changed = False
+    for bucket in buckets:
+        changed |= _merge(graph, [candidates[n] for n in bucket])
+    return changed

@@ -1,0 +1,127 @@
+"""Pipeline: the passes as one Inductor custom graph pass, and install() to register it.
+
+``install`` registers the pipeline as ``torch._inductor.config.post_grad_custom_post_pass``,
+the *post* hook, not the pre one, because there the graph has been through Inductor's own
+post-grad passes: no-op removal has normalized it, and ``ddp_fusion`` has already bucketed the
+uncompressed all_reduces it knows (a plain division feeding the collective). So
+``fold_collective_scaling`` also folds the division of Inductor's own fp32 buckets, and
+``fuse_collective_casts`` buckets exactly what Inductor left: the compressed collectives.
+After the hook Inductor still runs its stable topological sort and its fake-tensor update,
+which check the rewritten graph before code generation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import pathlib
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph
+
+from .fold_collective_scaling import fold_collective_scaling
+from .fuse_collective_casts import fuse_collective_casts
+
+GraphPass = Callable[..., bool]
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def _accepted(fn: GraphPass) -> set[str]:
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+class Pipeline(CustomGraphPass):
+    """Run ``passes`` in order on a graph; ``options`` go to the passes that take them.
+
+    ``Pipeline([fold_collective_scaling, fuse_collective_casts], bucket_cap_mb=10)`` calls
+    ``fuse_collective_casts(graph, bucket_cap_mb=10)``. An option no pass takes is an error.
+    ``uuid()`` hashes the source of this package, of every pass and the options, so Inductor's
+    FX graph cache never serves a graph compiled with other passes or options.
+    """
+
+    def __init__(self, passes: Sequence[GraphPass], **options: Any):
+        passes = list(passes)
+        for p in passes:
+            if not callable(p):
+                raise TypeError(f"Pipeline: a pass must be callable as pass(graph) -> bool, got {p!r}")
+        unknown = set(options) - set().union(*(_accepted(p) for p in passes)) if passes else set(options)
+        if unknown:
+            raise ValueError(f"Pipeline: no pass takes option(s) {sorted(unknown)}")
+        self.passes = passes
+        self.options = dict(options)
+
+    def __call__(self, graph: Graph) -> None:
+        self.run(graph)
+
+    def run(self, graph: Graph) -> bool:
+        """Run every pass; True when any changed the graph (which is then linted)."""
+        changed = False
+        for p in self.passes:
+            changed |= bool(p(graph, **{k: v for k, v in self.options.items() if k in _accepted(p)}))
+        if changed:
+            graph.lint()
+        return changed
+
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        for path in sorted(_PACKAGE_DIR.glob("*.py")):
+            h.update(path.read_bytes())
+        for p in self.passes:
+            h.update(f"{getattr(p, '__module__', '')}.{getattr(p, '__qualname__', repr(p))}".encode())
+            try:
+                h.update(inspect.getsource(p).encode())
+            except (OSError, TypeError):
+                h.update(repr(p).encode())
+        h.update(repr(sorted(self.options.items())).encode())
+        h.update(torch.__version__.encode())
+        return h.hexdigest()
+
+    def __repr__(self) -> str:
+        names = ", ".join(getattr(p, "__name__", repr(p)) for p in self.passes)
+        opts = "".join(f", {k}={v!r}" for k, v in sorted(self.options.items()))
+        return f"Pipeline([{names}]{opts})"
+
+
+def default_pipeline(**options: Any) -> Pipeline:
+    """``fold_collective_scaling`` then ``fuse_collective_casts`` (options: ``bucket_cap_mb``,
+    ``first_bucket_cap_mb``)."""
+    return Pipeline([fold_collective_scaling, fuse_collective_casts], **options)
+
+
+class install:
+    """Register ``pipeline`` (default: :func:`default_pipeline`) with Inductor.
+
+    As a context manager the previous ``post_grad_custom_post_pass`` is restored on exit::
+
+        with passes.install():
+            torch.compile(step)(...)
+
+    As a plain call it stays installed for the process (``.restore()`` undoes it). Another
+    custom post-grad pass already installed is not silently replaced: that raises.
+    """
+
+    def __init__(self, pipeline: Optional[Pipeline] = None):
+        pipeline = default_pipeline() if pipeline is None else pipeline
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
+        previous = inductor_config.post_grad_custom_post_pass
+        if previous is not None and not isinstance(previous, Pipeline):
+            raise RuntimeError(
+                f"install: torch._inductor.config.post_grad_custom_post_pass is already set to {previous!r}; "
+                "add that pass to a passes.Pipeline instead of replacing it."
+            )
+        self.pipeline, self.previous = pipeline, previous
+        inductor_config.post_grad_custom_post_pass = pipeline
+
+    def restore(self) -> None:
+        inductor_config.post_grad_custom_post_pass = self.previous
+
+    def __enter__(self) -> Pipeline:
+        return self.pipeline
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()

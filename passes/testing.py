@@ -1,0 +1,134 @@
+"""Helpers for graph snapshot tests of communication code, usable in your own tests.
+
+``trace(fn, *args, world_size=8)`` traces ``fn`` into the kind of ATen graph Inductor's
+post-grad passes see (fake tensors, Inductor's decompositions, functional collectives with
+their ``wait_tensor``, functionalized with writes to inputs as ``copy_`` at the end), against
+a fake process group: no processes, no communication, about a
+second. ``graph_str(gm)`` prints that graph as stable, normalized text for
+``expecttest.TestCase.assertExpectedInline``::
+
+    gm = trace(lambda g: bf16_compress_hook(state, g), torch.randn(16))
+    self.assertExpectedInline(graph_str(gm), '''...''')
+    fold_collective_scaling(gm.graph)
+
+The fake group stays the default process group after ``trace`` returns, so passes can
+resolve its size and backend; a later ``trace`` with another ``world_size`` replaces it. If
+a real default group exists, ``trace`` uses it (its size must equal ``world_size``, or pass
+``world_size=None``), which lets a multi-rank test trace, rewrite and run the same graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.post_grad import remove_noop_ops
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functionalize
+
+__all__ = ["trace", "graph_str", "fake_process_group"]
+
+
+def fake_process_group(world_size: int) -> dist.ProcessGroup:
+    """Make a fake default process group of ``world_size`` ranks (rank 0), replacing a fake
+    one of another size; a real default group is never replaced."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        if backend != "fake":
+            if dist.get_world_size() != world_size:
+                raise ValueError(
+                    f"trace: a {backend} process group of size {dist.get_world_size()} is initialized; "
+                    f"world_size={world_size} cannot be traced in this process (pass world_size=None)."
+                )
+            return dist.group.WORLD
+        if dist.get_world_size() == world_size:
+            return dist.group.WORLD
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return dist.group.WORLD
+
+
+def trace(fn: Callable[..., Any], *args: Any, world_size: Optional[int] = 8) -> torch.fx.GraphModule:
+    """Trace ``fn(*args)`` to a post-grad-style ATen graph with a ``world_size``-rank group."""
+    if world_size is None:
+        if not dist.is_initialized():
+            raise ValueError("trace: world_size=None needs an initialized default process group")
+    else:
+        fake_process_group(world_size)
+    # Functionalized like AOTAutograd's output: in-place updates of inputs become a copy_
+    # epilogue at the end of the graph, which is where Inductor's post-grad passes find them.
+    gm = make_fx(
+        functionalize(fn, remove="mutations_and_views"),
+        tracing_mode="fake",
+        decomposition_table=select_decomp_table(),
+    )(*args)
+    remove_noop_ops(gm.graph)
+    gm.recompile()
+    return gm
+
+
+_DTYPES = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.bool: "b8",
+}
+
+
+def _type_str(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{_DTYPES.get(v.dtype, str(v.dtype))}{list(v.shape)}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_type_str(x) for x in v) + ")"
+    return ""
+
+
+def _group_str(name: str) -> str:
+    try:
+        return f"group(size={c10d._get_group_size_by_name(name)})"
+    except Exception:  # noqa: BLE001 - not a group name after all
+        return repr(name)
+
+
+def _arg_str(a: Any, group_arg: bool = False) -> str:
+    if isinstance(a, torch.fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_arg_str(x) for x in a)
+        return f"[{inner}]"
+    if isinstance(a, torch.dtype):
+        return _DTYPES.get(a, str(a))
+    if group_arg and isinstance(a, str):
+        return _group_str(a)
+    if isinstance(a, str):
+        return repr(a)
+    return str(a)
+
+
+def _target_str(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        ns, name = target.namespace, target._schema.name.split("::")[-1]
+        ns = {"_c10d_functional": "c10d"}.get(ns, ns)
+        return f"{ns}.{name}" + ("" if target._overloadname in ("default", "Tensor") else f".{target._overloadname}")
+    return getattr(target, "__name__", str(target))
+
+
+def graph_str(gm: torch.fx.GraphModule | torch.fx.Graph) -> str:
+    """One line per node, ``name: dtype[shape] = op(args)``: no memory addresses, no
+    stack traces, group names as ``group(size=N)``; stable across runs and processes."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    lines = []
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            lines.append(f"{n.name}: {_type_str(n.meta.get('val'))} = input")
+        elif n.op == "output":
+            lines.append(f"return {_arg_str(n.args[0])}")
+        else:
+            is_collective = isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional"
+            args = [_arg_str(a, group_arg=is_collective and i == len(n.args) - 1) for i, a in enumerate(n.args)]
+            args += [f"{k}={_arg_str(v)}" for k, v in n.kwargs.items()]
+            lines.append(f"{n.name}: {_type_str(n.meta.get('val'))} = {_target_str(n.target)}({', '.join(args)})")
+    return "\n".join(lines)
