@@ -21,7 +21,9 @@ cast's kernel; a product of exactly 1 removes the factors. The same holds for
 
 Left alone (counted in ``counters["passes"]`` with the reason): a reduce op other than sum,
 an fp16 wire dtype (the split guards against overflow), a non-constant factor, an
-intermediate with another user, a group that cannot be resolved or whose size disagrees.
+intermediate with another user, a chain that starts or ends at another collective (its
+factors may belong to the other group), a group that cannot be resolved or whose size
+disagrees, a single factor whose product is not 1/N (nothing to merge).
 ``avg`` is used only with a backend known to implement it and never at world size 1 (NCCL's
 avg is wrong there; at N == 1 the product is 1 and the factors simply go). Idempotent: a
 folded chain has reduce op avg, or a single factor.
@@ -34,11 +36,12 @@ wire dtype, with one rounding fewer than before.
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Collection
 
 import torch
 from torch.fx import Graph
 
-from ._graph import AVG_BACKENDS, REDUCE_SCATTER, Chain, aten, chains, group_info, new_node, record, scale_factor
+from ._graph import AVG_BACKENDS, COLLECTIVES, REDUCE_SCATTER, WAIT, Chain, aten, is_op, chains, group_info, new_node, record, scale_factor
 
 PASS = "fold_collective_scaling"
 FOLDABLE_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -49,6 +52,8 @@ def _why_not(chain: Chain) -> str | None:
         return f"reduce op {chain.reduce_op!r} (only 'sum' is folded)"
     if chain.problem:
         return chain.problem
+    if is_op(chain.start, (WAIT,)) or any(is_op(u, COLLECTIVES) for u in chain.end.users):
+        return "chained with another collective (factors may belong to another group)"
     if chain.wire_dtype == torch.float16:
         return "fp16 wire dtype keeps its pre/post split (overflow)"
     if chain.wire_dtype not in FOLDABLE_WIRE_DTYPES:
@@ -66,13 +71,13 @@ def _remove(graph: Graph, node) -> None:
     graph.erase_node(node)
 
 
-def _fold(graph: Graph, chain: Chain) -> bool:
+def _fold(graph: Graph, chain: Chain, avg_backends: Collection[str]) -> bool:
     scales = chain.scales()
     product = Fraction(1)
     for n in scales:
         product *= scale_factor(n)
     info = group_info(chain.group_name)
-    to_avg = info.size > 1 and product == Fraction(1, info.size) and info.backend in AVG_BACKENDS
+    to_avg = info.size > 1 and product == Fraction(1, info.size) and info.backend in avg_backends
     if product != 1 and not to_avg and len(scales) < 2:
         record(PASS, "skipped: a single factor, nothing to fold", chain.collective)
         return False
@@ -94,9 +99,9 @@ def _fold(graph: Graph, chain: Chain) -> bool:
     return True
 
 
-def fold_collective_scaling(graph: Graph) -> bool:
+def fold_collective_scaling(graph: Graph, avg_backends: Collection[str] = AVG_BACKENDS) -> bool:
     """Fold constant factors around sum all_reduce / reduce_scatter (see the module docstring).
-    Returns True when the graph changed."""
+    ``avg_backends``: backends trusted with reduce op avg. Returns True when the graph changed."""
     changed = False
     for chain in chains(graph):
         if not chain.scales():
@@ -105,5 +110,5 @@ def fold_collective_scaling(graph: Graph) -> bool:
         if reason is not None:
             record(PASS, f"skipped: {reason}", chain.collective)
             continue
-        changed |= _fold(graph, chain)
+        changed |= _fold(graph, chain, avg_backends)
     return changed

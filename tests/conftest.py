@@ -23,6 +23,8 @@ def fake_pg():
 
 
 @pytest.fixture(autouse=True)
-def _reset_dynamo():
+def _reset_dynamo_and_fake_group():
     yield
     torch._dynamo.reset()
+    if dist.is_initialized() and dist.get_backend() == "fake":  # left by passes.testing.trace
+        dist.destroy_process_group()
