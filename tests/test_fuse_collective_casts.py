@@ -1,0 +1,203 @@
+"""fuse_collective_casts: snapshots, negative cases, idempotence (fake process group)."""
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_reduce
+
+from passes import fold_collective_scaling, fuse_collective_casts
+from passes.testing import graph_str, trace
+from tests.graphs import ddp_args, ddp_fn, hook_fn
+from tests.passcase import PassTestCase
+
+
+def ddp_graph(kind, shapes, world_size=2, fold=True):
+    _ = trace(lambda: None, world_size=world_size)
+    gm = trace(ddp_fn(kind), *ddp_args(shapes), world_size=world_size)
+    if fold:
+        fold_collective_scaling(gm.graph)
+    return gm
+
+
+class TestFuse(PassTestCase):
+    def test_ddp_shaped_bf16_one_bucket(self):
+        gm = ddp_graph("bf16", [(3, 4), (5,), (2, 2)])
+        self.assertExpectedInline(graph_str(gm), """\
+arg0_1: f32[3, 4] = input
+arg1_1: f32[5] = input
+arg2_1: f32[2, 2] = input
+sin: f32[3, 4] = aten.sin(arg0_1)
+convert_element_type: bf16[3, 4] = prims.convert_element_type(sin, bf16)
+all_reduce: bf16[3, 4] = c10d.all_reduce(convert_element_type, 'avg', group(size=2))
+wait_tensor: bf16[3, 4] = c10d.wait_tensor(all_reduce)
+convert_element_type_1: f32[3, 4] = prims.convert_element_type(wait_tensor, f32)
+sin_1: f32[5] = aten.sin(arg1_1)
+convert_element_type_2: bf16[5] = prims.convert_element_type(sin_1, bf16)
+all_reduce_1: bf16[5] = c10d.all_reduce(convert_element_type_2, 'avg', group(size=2))
+wait_tensor_1: bf16[5] = c10d.wait_tensor(all_reduce_1)
+convert_element_type_3: f32[5] = prims.convert_element_type(wait_tensor_1, f32)
+sin_2: f32[2, 2] = aten.sin(arg2_1)
+convert_element_type_4: bf16[2, 2] = prims.convert_element_type(sin_2, bf16)
+all_reduce_2: bf16[2, 2] = c10d.all_reduce(convert_element_type_4, 'avg', group(size=2))
+wait_tensor_2: bf16[2, 2] = c10d.wait_tensor(all_reduce_2)
+convert_element_type_5: f32[2, 2] = prims.convert_element_type(wait_tensor_2, f32)
+copy_: f32[3, 4] = aten.copy_(arg0_1, convert_element_type_1)
+copy__1: f32[5] = aten.copy_(arg1_1, convert_element_type_3)
+copy__2: f32[2, 2] = aten.copy_(arg2_1, convert_element_type_5)
+return [convert_element_type_1, convert_element_type_3, convert_element_type_5]""")
+        self.assertRewrites(gm, fuse_collective_casts)
+        self.assertExpectedInline(graph_str(gm), """\
+arg0_1: f32[3, 4] = input
+arg1_1: f32[5] = input
+arg2_1: f32[2, 2] = input
+sin: f32[3, 4] = aten.sin(arg0_1)
+sin_1: f32[5] = aten.sin(arg1_1)
+sin_2: f32[2, 2] = aten.sin(arg2_1)
+convert_element_type: bf16[3, 4] = prims.convert_element_type(sin, bf16)
+reshape_default: bf16[12] = aten.reshape(convert_element_type, [-1])
+convert_element_type_2: bf16[5] = prims.convert_element_type(sin_1, bf16)
+reshape_default_1: bf16[5] = aten.reshape(convert_element_type_2, [-1])
+convert_element_type_4: bf16[2, 2] = prims.convert_element_type(sin_2, bf16)
+reshape_default_2: bf16[4] = aten.reshape(convert_element_type_4, [-1])
+bucket_cat: bf16[21] = aten.cat([reshape_default, reshape_default_1, reshape_default_2], 0)
+bucket_all_reduce: bf16[21] = c10d.all_reduce(bucket_cat, 'avg', group(size=2))
+bucket_wait: bf16[21] = c10d.wait_tensor(bucket_all_reduce)
+slice_tensor: bf16[12] = aten.slice(bucket_wait, 0, 0, 12)
+view_default: bf16[3, 4] = aten.view(slice_tensor, [3, 4])
+convert_element_type_1: f32[3, 4] = prims.convert_element_type(view_default, f32)
+slice_tensor_1: bf16[5] = aten.slice(bucket_wait, 0, 12, 17)
+convert_element_type_3: f32[5] = prims.convert_element_type(slice_tensor_1, f32)
+slice_tensor_2: bf16[4] = aten.slice(bucket_wait, 0, 17, 21)
+view_default_1: bf16[2, 2] = aten.view(slice_tensor_2, [2, 2])
+convert_element_type_5: f32[2, 2] = prims.convert_element_type(view_default_1, f32)
+copy_: f32[3, 4] = aten.copy_(arg0_1, convert_element_type_1)
+copy__1: f32[5] = aten.copy_(arg1_1, convert_element_type_3)
+copy__2: f32[2, 2] = aten.copy_(arg2_1, convert_element_type_5)
+return [convert_element_type_1, convert_element_type_3, convert_element_type_5]""")
+
+    def test_fp16_buckets_with_its_divisions_inside(self):
+        gm = ddp_graph("fp16", [(4,), (6,)], world_size=8)
+        self.assertRewrites(gm, fuse_collective_casts)
+        self.assertExpectedInline(graph_str(gm), """\
+arg0_1: f32[4] = input
+arg1_1: f32[6] = input
+sin: f32[4] = aten.sin(arg0_1)
+sin_1: f32[6] = aten.sin(arg1_1)
+div: f32[4] = aten.div(sin, 4.0)
+convert_element_type: f16[4] = prims.convert_element_type(div, f16)
+reshape_default: f16[4] = aten.reshape(convert_element_type, [-1])
+div_2: f32[6] = aten.div(sin_1, 4.0)
+convert_element_type_2: f16[6] = prims.convert_element_type(div_2, f16)
+reshape_default_1: f16[6] = aten.reshape(convert_element_type_2, [-1])
+bucket_cat: f16[10] = aten.cat([reshape_default, reshape_default_1], 0)
+bucket_all_reduce: f16[10] = c10d.all_reduce(bucket_cat, 'sum', group(size=8))
+bucket_wait: f16[10] = c10d.wait_tensor(bucket_all_reduce)
+slice_tensor: f16[4] = aten.slice(bucket_wait, 0, 0, 4)
+div_1: f16[4] = aten.div(slice_tensor, 2.0)
+convert_element_type_1: f32[4] = prims.convert_element_type(div_1, f32)
+slice_tensor_1: f16[6] = aten.slice(bucket_wait, 0, 4, 10)
+div_3: f16[6] = aten.div(slice_tensor_1, 2.0)
+convert_element_type_3: f32[6] = prims.convert_element_type(div_3, f32)
+copy_: f32[4] = aten.copy_(arg0_1, convert_element_type_1)
+copy__1: f32[6] = aten.copy_(arg1_1, convert_element_type_3)
+return [convert_element_type_1, convert_element_type_3]""")
+
+    def test_bucket_caps_split_buckets(self):
+        # 4 gradients of 256 KiB in bf16: first bucket 0.5 MiB, then 0.75 MiB
+        gm = ddp_graph("bf16", [(128, 1024)] * 4)
+        self.assertRewrites(gm, fuse_collective_casts, bucket_cap_mb=0.75, first_bucket_cap_mb=0.5)
+        text = graph_str(gm)
+        self.assertEqual(text.count("c10d.all_reduce"), 2)
+        self.assertIn("bucket_cat: bf16[262144]", text)  # the first two gradients (0.5 MiB)
+        self.assertIn("bucket_cat_1: bf16[262144]", text)  # the other two (a third does not fit)
+        # the first bucket is waited only after the second one is issued
+        self.assertLess(text.index("bucket_all_reduce_1"), text.index("bucket_wait:"))
+
+    def test_reduce_scatter_bucket_is_rank_major(self):
+        _ = trace(lambda: None, world_size=2)
+        hook = hook_fn("bf16", sharded=True)
+
+        def fn(a, oa, b, ob):
+            hook(a, oa)
+            hook(b, ob)
+            return oa, ob
+
+        gm = trace(fn, torch.randn(12), torch.empty(6), torch.randn(4, 2), torch.empty(2, 2), world_size=2)
+        fold_collective_scaling(gm.graph)
+        self.assertRewrites(gm, fuse_collective_casts)
+        self.assertExpectedInline(graph_str(gm), """\
+a_1: f32[12] = input
+oa_1: f32[6] = input
+b_1: f32[4, 2] = input
+ob_1: f32[2, 2] = input
+convert_element_type: bf16[12] = prims.convert_element_type(a_1, bf16)
+view: bf16[12] = aten.view(convert_element_type, [-1])
+reshape_default: bf16[2, 6] = aten.reshape(view, [2, -1])
+convert_element_type_2: bf16[4, 2] = prims.convert_element_type(b_1, bf16)
+view_2: bf16[8] = aten.view(convert_element_type_2, [-1])
+reshape_default_1: bf16[2, 4] = aten.reshape(view_2, [2, -1])
+bucket_cat: bf16[2, 10] = aten.cat([reshape_default, reshape_default_1], 1)
+reshape_default_2: bf16[20] = aten.reshape(bucket_cat, [-1])
+bucket_reduce_scatter_tensor: bf16[10] = c10d.reduce_scatter_tensor(reshape_default_2, 'avg', 2, group(size=2))
+bucket_wait: bf16[10] = c10d.wait_tensor(bucket_reduce_scatter_tensor)
+slice_tensor: bf16[6] = aten.slice(bucket_wait, 0, 0, 6)
+convert_element_type_1: f32[6] = prims.convert_element_type(slice_tensor, f32)
+slice_tensor_1: bf16[4] = aten.slice(bucket_wait, 0, 6, 10)
+view_3: bf16[2, 2] = aten.view(slice_tensor_1, [2, 2])
+convert_element_type_3: f32[2, 2] = prims.convert_element_type(view_3, f32)
+copy_: f32[6] = aten.copy_(oa_1, convert_element_type_1)
+copy__1: f32[2, 2] = aten.copy_(ob_1, convert_element_type_3)
+return [convert_element_type_1, convert_element_type_3]""")
+
+    # --- left alone ---------------------------------------------------------------------
+
+    def test_uncompressed_collectives_are_not_ours(self):
+        gm = ddp_graph("fp32", [(4,), (6,)])
+        text = graph_str(gm)
+        self.assertFalse(fuse_collective_casts(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_different_groups_and_dtypes_are_not_mixed(self):
+        _ = trace(lambda: None, world_size=4)
+        sub = dist.new_group([0, 1])
+
+        def fn(a, b, c):
+            ra = all_reduce(a.to(torch.bfloat16), "avg", dist.group.WORLD)
+            rb = all_reduce(b.to(torch.bfloat16), "avg", sub)  # other group
+            rc = all_reduce(c.to(torch.float16), "avg", dist.group.WORLD)  # other wire dtype
+            return ra.float(), rb.float(), rc.float()
+
+        gm = trace(fn, torch.randn(4), torch.randn(4), torch.randn(4), world_size=4)
+        text = graph_str(gm)
+        self.assertFalse(fuse_collective_casts(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_result_needed_before_last_input(self):
+        _ = trace(lambda: None, world_size=2)
+
+        def fn(a, b):
+            ra = all_reduce(a.to(torch.bfloat16), "avg", dist.group.WORLD).float()
+            s = ra.sum()  # uses a's result ...
+            t = torch.sin(b)  # ... before b's input exists (independent of a)
+            rb = all_reduce(t.to(torch.bfloat16), "avg", dist.group.WORLD).float()
+            return s, rb
+
+        gm = trace(fn, torch.randn(4), torch.randn(4))
+        self.assertUntouched(gm, fuse_collective_casts, "used before its last input is ready")
+
+    def test_dependent_collectives_are_not_bucketed(self):
+        _ = trace(lambda: None, world_size=2)
+
+        def fn(a):
+            ra = all_reduce(a.to(torch.bfloat16), "avg", dist.group.WORLD).float()
+            rb = all_reduce((ra * 3).to(torch.bfloat16), "avg", dist.group.WORLD).float()
+            return rb
+
+        gm = trace(fn, torch.randn(4))
+        text = graph_str(gm)
+        self.assertFalse(fuse_collective_casts(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_bad_caps(self):
+        gm = ddp_graph("bf16", [(4,)])
+        with self.assertRaisesRegex(ValueError, "bucket caps must be positive"):
+            fuse_collective_casts(gm.graph, bucket_cap_mb=0)
