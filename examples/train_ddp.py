@@ -27,49 +27,54 @@ from torch.nn.parallel import DistributedDataParallel
 
 import compiled_hooks as ch
 
-VOCAB, SEQ, DIM, HEADS, LAYERS, BATCH = 64, 32, 64, 4, 2, 16
+VOCAB, SEQ, BATCH = 64, 32, 16
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, DIM))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self):
+    """Decoder-only transformer: 12 parameter tensors per block plus 4."""
+
+    def __init__(self, dim: int = 64, layers: int = 2, heads: int = 4, vocab: int = VOCAB, seq: int = SEQ):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
-        self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
-        self.head = nn.Linear(DIM, VOCAB)
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
+        self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens):
-        return self.head(self.blocks(self.embed(tokens) + self.pos))
+        return self.head(self.blocks(self.embed(tokens) + self.pos[: tokens.shape[1]]))
 
 
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, step: int, batch_size: int = BATCH, seq_len: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences of t -> (5 t + 3) mod VOCAB from random starts: learnable, different per rank."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+    start = torch.randint(0, VOCAB, (batch_size, 1), generator=g)
     seq = [start]
-    for _ in range(SEQ):
+    for _ in range(seq_len):
         seq.append((5 * seq[-1] + 3) % VOCAB)
     seq = torch.cat(seq, dim=1)
     return seq[:, :-1], seq[:, 1:]
 
 
 def loss_fn(model, tokens, targets):
-    return F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def train(rank: int, steps: int, compiled: bool, log: bool) -> float:

@@ -36,11 +36,9 @@ is used before the bucket's last input is ready; both are counted in ``counters[
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
-from torch._inductor.fx_passes.bucketing import greedy_bucket_collective_by_mb
 from torch.fx import Graph, Node
 
 from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, new_node, record, val
@@ -58,6 +56,49 @@ def _compressed(chain: Chain) -> bool:
 
 def _key(chain: Chain) -> tuple[Any, ...]:
     return (chain.collective.target, chain.group_name, chain.reduce_op, chain.wire_dtype, val(chain.collective).device)
+
+
+def _buckets(graph: Graph, candidates: dict[Node, Chain], cap_mb: float, first_cap_mb: float) -> list[list[Chain]]:
+    """Greedy in collective order: a bucket takes the next candidate while the key matches,
+    the wire bytes fit the cap and the candidate does not depend on a member's result.
+
+    (Inductor's ``greedy_bucket_collective_by_mb`` would do, but in torch 2.13 it applies the
+    first bucket's cap to every bucket.)
+    """
+    buckets: list[list[Chain]] = []
+    current: list[Chain] = []
+    size = index = 0  # bytes in the current bucket, and its number (its cap depends on it)
+    downstream: set[Node] = set()  # everything that depends on the current members
+
+    def close() -> None:
+        nonlocal current, size, index
+        if len(current) > 1:
+            buckets.append(current)
+        current, size, index = [], 0, index + 1
+        downstream.clear()
+
+    for node in graph.nodes:
+        chain = candidates.get(node)
+        if chain is None:
+            continue
+        nbytes = val(node.args[0]).numel() * val(node.args[0]).element_size()
+        cap = (first_cap_mb if index == 0 else cap_mb) * 2**20
+        if current and (_key(chain) != _key(current[0]) or node in downstream or size + nbytes > cap):
+            close()
+        current.append(chain)
+        size += nbytes
+        _add_downstream(node, downstream)
+    close()
+    return buckets
+
+
+def _add_downstream(node: Node, seen: set[Node]) -> None:
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
 
 
 def _merge(graph: Graph, bucket: list[Chain]) -> bool:
@@ -129,16 +170,8 @@ def fuse_collective_casts(graph: Graph, bucket_cap_mb: float = 25.0, first_bucke
     if len(candidates) < 2:
         return False
 
-    def cap(bucket_index: int) -> float:
-        return first_bucket_cap_mb if bucket_index == 0 else bucket_cap_mb
-
-    buckets = greedy_bucket_collective_by_mb(
-        types.SimpleNamespace(graph=graph),  # it reads only .graph
-        cap,
-        candidates.__contains__,
-        lambda n: _key(candidates[n]),
-    )
+    buckets = _buckets(graph, candidates, bucket_cap_mb, first_bucket_cap_mb)
     changed = False
     for bucket in buckets:
-        changed |= _merge(graph, [candidates[n] for n in bucket])
+        changed |= _merge(graph, bucket)
     return changed

@@ -102,13 +102,13 @@ copy__1: f32[6] = aten.copy_(arg1_1, convert_element_type_3)
 return [convert_element_type_1, convert_element_type_3]""")
 
     def test_bucket_caps_split_buckets(self):
-        # 4 gradients of 256 KiB in bf16: first bucket 0.5 MiB, then 0.75 MiB
-        gm = ddp_graph("bf16", [(128, 1024)] * 4)
-        self.assertRewrites(gm, fuse_collective_casts, bucket_cap_mb=0.75, first_bucket_cap_mb=0.5)
+        # 6 gradients of 256 KiB in bf16: a first bucket of 0.5 MiB, then one of up to 1 MiB
+        gm = ddp_graph("bf16", [(128, 1024)] * 6)
+        self.assertRewrites(gm, fuse_collective_casts, bucket_cap_mb=1.0, first_bucket_cap_mb=0.5)
         text = graph_str(gm)
         self.assertEqual(text.count("c10d.all_reduce"), 2)
-        self.assertIn("bucket_cat: bf16[262144]", text)  # the first two gradients (0.5 MiB)
-        self.assertIn("bucket_cat_1: bf16[262144]", text)  # the other two (a third does not fit)
+        self.assertIn("bucket_cat: bf16[262144]", text)  # the first two gradients
+        self.assertIn("bucket_cat_1: bf16[524288]", text)  # the other four
         # the first bucket is waited only after the second one is issued
         self.assertLess(text.index("bucket_all_reduce_1"), text.index("bucket_wait:"))
 
