@@ -10,6 +10,7 @@ from . import testing
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
 from .pipeline import Pipeline, default_pipeline, install
+from .verify import PassVerificationError
 
 __all__ = [
     "fold_collective_scaling",
@@ -17,5 +18,6 @@ __all__ = [
     "Pipeline",
     "default_pipeline",
     "install",
+    "PassVerificationError",
     "testing",
 ]

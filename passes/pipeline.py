@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import pathlib
 from typing import Any, Callable, Optional, Sequence
 
@@ -24,6 +25,7 @@ from torch.fx import Graph
 
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
+from .verify import check_rewrite, copy_graph
 
 GraphPass = Callable[..., bool]
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -41,9 +43,13 @@ class Pipeline(CustomGraphPass):
     ``fuse_collective_casts(graph, bucket_cap_mb=10)``. An option no pass takes is an error.
     ``uuid()`` hashes the source of this package, of every pass and the options, so Inductor's
     FX graph cache never serves a graph compiled with other passes or options.
+
+    ``verify=True`` (default: the ``PASSES_VERIFY`` environment variable) checks every rewrite
+    with :func:`passes.verify.check_rewrite` and raises ``PassVerificationError`` on a change of
+    values; such a pipeline bypasses the FX graph cache so that every compile is verified.
     """
 
-    def __init__(self, passes: Sequence[GraphPass], **options: Any):
+    def __init__(self, passes: Sequence[GraphPass], verify: Optional[bool] = None, **options: Any):
         passes = list(passes)
         for p in passes:
             if not callable(p):
@@ -53,20 +59,27 @@ class Pipeline(CustomGraphPass):
             raise ValueError(f"Pipeline: no pass takes option(s) {sorted(unknown)}")
         self.passes = passes
         self.options = dict(options)
+        self.verify = os.environ.get("PASSES_VERIFY", "0") not in ("", "0") if verify is None else bool(verify)
 
     def __call__(self, graph: Graph) -> None:
         self.run(graph)
 
     def run(self, graph: Graph) -> bool:
-        """Run every pass; True when any changed the graph (which is then linted)."""
+        """Run every pass; True when any changed the graph (which is then linted). With
+        ``verify``, every change is checked by :func:`passes.verify.check_rewrite`."""
         changed = False
         for p in self.passes:
-            changed |= bool(p(graph, **{k: v for k, v in self.options.items() if k in _accepted(p)}))
-        if changed:
-            graph.lint()
+            before = copy_graph(graph) if self.verify else None
+            if p(graph, **{k: v for k, v in self.options.items() if k in _accepted(p)}):
+                changed = True
+                graph.lint()
+                if before is not None:
+                    check_rewrite(getattr(p, "__name__", repr(p)), before, graph)
         return changed
 
-    def uuid(self) -> str:
+    def uuid(self) -> Optional[str]:
+        if self.verify:
+            return None  # never cached: a cache hit would skip the verification
         h = hashlib.sha256()
         for path in sorted(_PACKAGE_DIR.glob("*.py")):
             h.update(path.read_bytes())
@@ -83,13 +96,14 @@ class Pipeline(CustomGraphPass):
     def __repr__(self) -> str:
         names = ", ".join(getattr(p, "__name__", repr(p)) for p in self.passes)
         opts = "".join(f", {k}={v!r}" for k, v in sorted(self.options.items()))
+        opts += ", verify=True" if self.verify else ""
         return f"Pipeline([{names}]{opts})"
 
 
-def default_pipeline(**options: Any) -> Pipeline:
-    """``fold_collective_scaling`` then ``fuse_collective_casts`` (options: ``bucket_cap_mb``,
-    ``first_bucket_cap_mb``)."""
-    return Pipeline([fold_collective_scaling, fuse_collective_casts], **options)
+def default_pipeline(verify: Optional[bool] = None, **options: Any) -> Pipeline:
+    """``fold_collective_scaling`` then ``fuse_collective_casts`` (options: ``avg_backends``,
+    ``bucket_cap_mb``, ``first_bucket_cap_mb``)."""
+    return Pipeline([fold_collective_scaling, fuse_collective_casts], verify=verify, **options)
 
 
 class install:
@@ -102,10 +116,14 @@ class install:
 
     As a plain call it stays installed for the process (``.restore()`` undoes it). Another
     custom post-grad pass already installed is not silently replaced: that raises.
+    ``install(verify=True)`` installs the default pipeline with differential verification.
     """
 
-    def __init__(self, pipeline: Optional[Pipeline] = None):
-        pipeline = default_pipeline() if pipeline is None else pipeline
+    def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None):
+        if pipeline is None:
+            pipeline = default_pipeline(verify=verify)
+        elif verify is not None:
+            raise ValueError("install: pass verify= to the Pipeline you give, or give no pipeline")
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
         previous = inductor_config.post_grad_custom_post_pass
