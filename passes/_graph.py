@@ -53,6 +53,12 @@ def is_op(node: Any, ops: tuple) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in ops
 
 
+def is_collective(node: Any) -> bool:
+    """Any functional collective (not its wait)."""
+    return (isinstance(node, Node) and node.op == "call_function"
+            and getattr(node.target, "namespace", None) == "_c10d_functional" and node.target is not WAIT)
+
+
 def val(node: Node) -> Any:
     return node.meta.get("val")
 

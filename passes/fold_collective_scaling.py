@@ -76,6 +76,8 @@ def _fold(graph: Graph, chain: Chain, avg_backends: Collection[str]) -> bool:
     product = Fraction(1)
     for n in scales:
         product *= scale_factor(n)
+    if float(product) == 1.0:  # e.g. * 3 then * 0.333...: a scale of 1.0 would be a no-op
+        product = Fraction(1)
     info = group_info(chain.group_name)
     to_avg = info.size > 1 and product == Fraction(1, info.size) and info.backend in avg_backends
     if product != 1 and not to_avg and len(scales) < 2:

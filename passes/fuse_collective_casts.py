@@ -3,7 +3,8 @@
 Compiled DDP with a compression hook issues one small collective per parameter: Inductor's
 ``ddp_fusion`` only buckets all_reduces fed by a plain division. This pass buckets the
 compressed ones (the collective's input is a cast to a narrower float dtype) per
-(collective, group, reduce op, wire dtype), adjacent in collective order, up to
+(collective, group, reduce op, wire dtype), adjacent in collective order (any other
+collective in between separates them), up to
 ``bucket_cap_mb`` of wire bytes (``first_bucket_cap_mb`` for the first bucket, as DDP does).
 
 For two gradients ``a`` and ``b`` (after ``fold_collective_scaling``)::
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, new_node, record, val
+from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, is_collective, new_node, record, val
 
 PASS = "fuse_collective_casts"
 
@@ -59,15 +60,20 @@ def _key(chain: Chain) -> tuple[Any, ...]:
 
 
 def _buckets(graph: Graph, candidates: dict[Node, Chain], cap_mb: float, first_cap_mb: float) -> list[list[Chain]]:
-    """Greedy in collective order: a bucket takes the next candidate while the key matches,
-    the wire bytes fit the cap and the candidate does not depend on a member's result.
+    """Greedy in collective order: a bucket takes the next collective while it is a candidate
+    of the same key, the wire bytes fit the cap and it does not depend on a member's result.
+    Any other collective in between ends the bucket, so the pass never reorders collectives
+    relative to each other and a second run finds nothing left to merge.
 
     (Inductor's ``greedy_bucket_collective_by_mb`` would do, but in torch 2.13 it applies the
     first bucket's cap to every bucket.)
     """
     buckets: list[list[Chain]] = []
     current: list[Chain] = []
-    size = index = 0  # bytes in the current bucket, and its number (its cap depends on it)
+    # Bytes in the current bucket, and its number: bucket 0 gets the first cap. Every close
+    # counts, also at a non-candidate collective with nothing open, so that a second run, where
+    # a first run's bucket stands as such a collective, numbers and caps exactly as the first.
+    size = index = 0
     downstream: set[Node] = set()  # everything that depends on the current members
 
     def close() -> None:
@@ -80,6 +86,8 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], cap_mb: float, first_c
     for node in graph.nodes:
         chain = candidates.get(node)
         if chain is None:
+            if is_collective(node):  # only adjacent candidates share a bucket
+                close()
             continue
         nbytes = val(node.args[0]).numel() * val(node.args[0]).element_size()
         cap = (first_cap_mb if index == 0 else cap_mb) * 2**20

@@ -6,6 +6,14 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
+SUMMARY: list[str] = []  # lines tests want in the terminal summary (seeds, counts)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in SUMMARY:
+        terminalreporter.write_line(line)
+
+
 @contextlib.contextmanager
 def fake_process_group(world_size: int):
     """An in-process default group of ``world_size`` fake ranks (no communication)."""

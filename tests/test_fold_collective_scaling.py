@@ -185,6 +185,16 @@ wait_tensor: bf16[16] = c10d.wait_tensor(all_reduce)
 convert_element_type_1: f32[16] = prims.convert_element_type(wait_tensor, f32)
 return convert_element_type_1""")
 
+    def test_factors_whose_float_product_is_one_are_removed(self):
+        # found by the randomized test: * 3 then * 0.333... multiplies to 1.0 in floating point
+        # (not exactly); folding it into mul(x, 1.0) made a second run remove that
+        _ = trace(lambda: None, world_size=8)
+        from torch.distributed._functional_collectives import all_reduce
+
+        gm = trace(lambda x: all_reduce(x, "sum", dist.group.WORLD) * 3.0 * (1 / 3), torch.randn(8))
+        self.assertRewrites(gm, fold_collective_scaling)
+        self.assertNotIn("aten.mul", graph_str(gm))
+
     # --- left alone ---------------------------------------------------------------------
 
     def test_fp16_keeps_its_split(self):

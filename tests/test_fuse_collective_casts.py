@@ -197,6 +197,30 @@ return [convert_element_type_1, convert_element_type_3]""")
         self.assertFalse(fuse_collective_casts(gm.graph))
         self.assertEqual(graph_str(gm), text)
 
+    def test_interleaved_groups_bucket_once(self):
+        # found by the randomized test: after bucketing the world group's collectives, the
+        # subgroup's ones became adjacent and a second run bucketed them. Another collective
+        # in between now always separates candidates.
+        _ = trace(lambda: None, world_size=4)
+        sub = dist.new_group([0, 1])
+
+        def fn(a, b, c, d, e, f):
+            outs = []
+            for x, group in ((a, None), (b, None), (c, sub), (d, None), (e, None), (f, sub)):
+                outs.append(all_reduce(torch.sin(x).to(torch.bfloat16), "avg", group or dist.group.WORLD).float())
+            return outs
+
+        gm = trace(fn, *[torch.randn(4) for _ in range(6)], world_size=4)
+        self.assertRewrites(gm, fuse_collective_casts)
+        self.assertEqual(graph_str(gm).count("c10d.all_reduce"), 4)  # 2 buckets, 2 subgroup singles
+
+    def test_first_cap_singleton_is_stable(self):
+        # found by the randomized test: a first member larger than the first cap stays alone,
+        # and a second run must not treat the next bucket as the first
+        gm = ddp_graph("bf16", [(64, 64), (4,), (5,), (6,)])
+        self.assertRewrites(gm, fuse_collective_casts, first_bucket_cap_mb=1e-3)
+        self.assertEqual(graph_str(gm).count("c10d.all_reduce"), 2)
+
     def test_bad_caps(self):
         gm = ddp_graph("bf16", [(4,)])
         with self.assertRaisesRegex(ValueError, "bucket caps must be positive"):

@@ -1,0 +1,149 @@
+"""A seeded generator of graphs the passes may meet.
+
+Families: one hook call; a DDP-shaped backward (many gradients, random shapes, a user's
+scale in front of the hook, an intermediate that is also returned, part of the gradients
+reduced in a subgroup); a ZeRO-shaped step (average, update, broadcast from an owner); and
+hand-written chains (random constant factors, casts, views, sum or avg, all_reduce or
+reduce_scatter). Each case is ``(description, fn, args, world_size)``; ``fn`` builds its
+process-group state when called, after the fake group of ``world_size`` exists.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+
+import compiled_hooks as ch
+
+WORLD_SIZES = [1, 2, 3, 4, 6, 8, 16]
+KINDS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+HOOKS = {
+    "fp32": (ch.allreduce_hook, ch.reduce_scatter_hook, ch.DefaultState),
+    "bf16": (ch.bf16_compress_hook, ch.bf16_compress_hook, ch.LowPrecisionState),
+    "fp16": (ch.fp16_compress_hook, ch.fp16_compress_hook, ch.LowPrecisionState),
+}
+
+Case = tuple[str, Callable[[], Callable[..., Any]], tuple, int]
+
+
+def _shape(rng: random.Random) -> tuple[int, ...]:
+    return tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3)))
+
+
+def _tensor(rng: random.Random, shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+
+
+def _subgroup(ws: int):
+    return dist.new_group(list(range(ws // 2))) if ws >= 4 else dist.group.WORLD
+
+
+def hook_case(rng: random.Random, ws: int) -> Case:
+    kind, sharded = rng.choice(list(HOOKS)), rng.random() < 0.5
+    numel = rng.randint(1, 40)
+
+    def make():
+        ar, rs, state_cls = HOOKS[kind]
+        state = state_cls(dist.group.WORLD)
+        if sharded:
+            return lambda g, o: (rs(state, g, o), o)[1]
+        return lambda g: (ar(state, g), g)[1]
+
+    args = (_tensor(rng, (numel * ws,)), torch.empty(numel)) if sharded else (_tensor(rng, (numel,)),)
+    return f"hook {kind} {'rs' if sharded else 'ar'} n={numel}", make, args, ws
+
+
+def ddp_case(rng: random.Random, ws: int) -> Case:
+    kind = rng.choice(list(HOOKS))
+    shapes = [_shape(rng) for _ in range(rng.randint(1, 10))]
+    scale = rng.choice([None, None, 0.5, 2.0, 3.0, 1.0 / ws])
+    extra_user = rng.random() < 0.2
+    mixed = rng.random() < 0.3 and ws >= 4
+    in_subgroup = [mixed and rng.random() < 0.5 for _ in shapes]
+
+    def make():
+        hook, _, state_cls = HOOKS[kind]
+        world, sub = state_cls(dist.group.WORLD), state_cls(_subgroup(ws))
+
+        def fn(*grads):
+            extras = []
+            for g, use_sub in zip(grads, in_subgroup):
+                g.copy_(torch.sin(g))
+                if scale is not None:
+                    g.mul_(scale)
+                if extra_user:
+                    extras.append(g.sum())
+                hook(sub if use_sub else world, g)
+            return (*grads, *extras)
+        return fn
+
+    desc = f"ddp {kind} params={len(shapes)} scale={scale} extra_user={extra_user} mixed={mixed}"
+    return desc, make, tuple(_tensor(rng, s) for s in shapes), ws
+
+
+def zero_case(rng: random.Random, ws: int) -> Case:
+    wire = rng.choice([torch.float32, torch.bfloat16])
+    shapes = [_shape(rng) for _ in range(rng.randint(1, 6))]
+    lr = rng.choice([0.1, 0.01])
+
+    def make():
+        def fn(*tensors):
+            n = len(tensors) // 2
+            for i, (p, g) in enumerate(zip(tensors[:n], tensors[n:])):
+                avg = fcol.all_reduce((g / ws).to(wire), "sum", dist.group.WORLD).to(g.dtype)
+                g.copy_(avg)
+                p.copy_(fcol.broadcast(p - lr * avg, i % ws, dist.group.WORLD))
+            return tensors
+        return fn
+
+    args = tuple(_tensor(rng, s) for s in shapes) * 2
+    return f"zero wire={wire} params={len(shapes)}", make, args, ws
+
+
+def chain_case(rng: random.Random, ws: int) -> Case:
+    wire = rng.choice([None, torch.bfloat16, torch.float16])
+    rs = rng.random() < 0.4
+    op = rng.choice(["sum", "sum", "avg"])
+    factors = [1.0 / ws, 0.5, 2.0, 0.25, 4.0, 3.0, 1.0 / 3, 1.0]
+    pre = [(rng.choice(["mul", "div"]), rng.choice(factors)) for _ in range(rng.randint(0, 2))]
+    post = [(rng.choice(["mul", "div"]), rng.choice(factors)) for _ in range(rng.randint(0, 2))]
+    second_user = rng.random() < 0.15
+    numel = rng.randint(1, 16) * ws
+
+    def apply(t, ops):
+        for how, c in ops:
+            t = t * c if how == "mul" else t / c
+        return t
+
+    def make():
+        def fn(x):
+            y = apply(x, pre)
+            side = y.sum() if second_user else None
+            if wire is not None:
+                y = y.to(wire)
+            if rs:
+                r = fcol.reduce_scatter_single(y.view(-1), op, 0, dist.group.WORLD)
+            else:
+                r = fcol.all_reduce(y, op, dist.group.WORLD)
+            r = apply(r, post)
+            out = r.to(x.dtype)
+            return (out, side) if second_user else out
+        return fn
+
+    desc = f"chain wire={wire} {'rs' if rs else 'ar'} {op} pre={pre} post={post} second_user={second_user}"
+    return desc, make, (_tensor(rng, (numel,)),), ws
+
+
+FAMILIES = [hook_case, ddp_case, zero_case, chain_case]
+
+
+def random_case(rng: random.Random) -> Case:
+    return rng.choice(FAMILIES)(rng, rng.choice(WORLD_SIZES))
+
+
+def random_options(rng: random.Random) -> dict[str, float]:
+    return {"bucket_cap_mb": rng.choice([25.0, 1e-4, 5e-4]), "first_bucket_cap_mb": rng.choice([1.0, 1e-4])}
