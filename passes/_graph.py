@@ -162,13 +162,27 @@ def match_chain(collective: Node) -> Optional[Chain]:
     return Chain(collective, wait, start, pre, post, problem)
 
 
-def chains(graph: Graph) -> list[Chain]:
-    """Every matched chain, in graph order of the collectives."""
+def check_graph(pass_name: str, graph: Any) -> None:
+    """A pass takes a ``torch.fx.Graph``; anything else is a usage error."""
+    if isinstance(graph, torch.fx.GraphModule):
+        raise TypeError(f"{pass_name}: expected a torch.fx.Graph, got a GraphModule; pass gm.graph")
+    if not isinstance(graph, Graph):
+        raise TypeError(f"{pass_name}: expected a torch.fx.Graph, got {type(graph).__name__}")
+
+
+def chains(graph: Graph, pass_name: str) -> list[Chain]:
+    """Every matched chain, in graph order of the collectives. Collectives without fake-tensor
+    metadata (a graph not traced the way Inductor traces) are skipped and counted."""
+    check_graph(pass_name, graph)
     out = []
     for node in graph.nodes:
         chain = match_chain(node)
-        if chain is not None:
-            out.append(chain)
+        if chain is None:
+            continue
+        if not all(isinstance(val(n), torch.Tensor) for n in (chain.collective, chain.collective.args[0])):
+            record(pass_name, "skipped: no fake-tensor metadata (meta['val'])", node)
+            continue
+        out.append(chain)
     return out
 
 

@@ -105,7 +105,7 @@ def fold_collective_scaling(graph: Graph, avg_backends: Collection[str] = AVG_BA
     """Fold constant factors around sum all_reduce / reduce_scatter (see the module docstring).
     ``avg_backends``: backends trusted with reduce op avg. Returns True when the graph changed."""
     changed = False
-    for chain in chains(graph):
+    for chain in chains(graph, PASS):
         if not chain.scales():
             continue
         reason = _why_not(chain)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, is_collective, new_node, record, val
+from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, check_graph, is_collective, new_node, record, val
 
 PASS = "fuse_collective_casts"
 
@@ -162,10 +162,11 @@ def _merge(graph: Graph, bucket: list[Chain]) -> bool:
 def fuse_collective_casts(graph: Graph, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0) -> bool:
     """Bucket compressed all_reduce / reduce_scatter chains (see the module docstring).
     Returns True when the graph changed."""
+    check_graph(PASS, graph)
     if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
         raise ValueError(f"{PASS}: bucket caps must be positive, got {bucket_cap_mb}, {first_bucket_cap_mb}")
     candidates: dict[Node, Chain] = {}
-    for chain in chains(graph):
+    for chain in chains(graph, PASS):
         if not _compressed(chain):
             continue
         if chain.problem:

@@ -25,6 +25,7 @@ from torch.fx import Graph
 
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
+from ._graph import check_graph
 from .verify import check_rewrite, copy_graph
 
 GraphPass = Callable[..., bool]
@@ -67,6 +68,7 @@ class Pipeline(CustomGraphPass):
     def run(self, graph: Graph) -> bool:
         """Run every pass; True when any changed the graph (which is then linted). With
         ``verify``, every change is checked by :func:`passes.verify.check_rewrite`."""
+        check_graph("Pipeline", graph)
         changed = False
         for p in self.passes:
             before = copy_graph(graph) if self.verify else None

@@ -20,8 +20,8 @@ LAYERS = 8
 
 
 def _scales_left(graph):
-    counters["e2e"]["scales around collectives"] += sum(len(c.scales()) for c in chains(graph))
-    counters["e2e"]["collectives"] += len(chains(graph))
+    counters["e2e"]["scales around collectives"] += sum(len(c.scales()) for c in chains(graph, "e2e"))
+    counters["e2e"]["collectives"] += len(chains(graph, "e2e"))
     return False
 
 

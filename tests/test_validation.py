@@ -1,11 +1,15 @@
 """Misuse of the public API raises a clear error on every rank before any collective.
 
-Each case runs on 2 gloo ranks under a dispatch mode that counts c10d ops; a case passes
-when every rank raised the expected type and message and issued no collective. The group
-stays usable afterwards (a final all_reduce agrees), so no rank is left diverged.
+Each case runs on 2 gloo ranks under a dispatch mode that counts c10d ops, with its own
+timeout; a case passes when every rank raised the expected type and message and issued no
+collective. The group stays usable afterwards (a final all_reduce agrees), so no rank is left
+diverged. Covers the hooks, their states, the DDP adapter, the passes, Pipeline, install and
+the tracing helper.
 """
 
+import functools
 import re
+import signal
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_hooks as ch
+import passes
 from tests.ranks import run_ranks
 
 
@@ -75,9 +80,39 @@ CASES = {
     "ddp_wrap_reduce_scatter_hook": (
         lambda g: ch.ddp_comm_hook(ch.reduce_scatter_hook), TypeError, "reduce-scatter hooks"),
     "ddp_wrap_not_callable": (lambda g: ch.ddp_comm_hook(42), TypeError, "hook must be callable"),
+    "pass_given_a_graph_module": (
+        lambda g: passes.fold_collective_scaling(_traced()), TypeError, "got a GraphModule; pass gm.graph"),
+    "pass_given_a_string": (lambda g: passes.fuse_collective_casts("graph"), TypeError, "expected a torch.fx.Graph"),
+    "pipeline_given_a_module": (
+        lambda g: passes.default_pipeline().run(torch.nn.Linear(2, 2)), TypeError, "expected a torch.fx.Graph"),
+    "pipeline_unknown_option": (lambda g: passes.default_pipeline(bucket_size=3), ValueError, "no pass takes option"),
+    "pipeline_not_a_pass": (lambda g: passes.Pipeline([42]), TypeError, "a pass must be callable"),
+    "bucket_cap_not_positive": (
+        lambda g: passes.fuse_collective_casts(_traced().graph, bucket_cap_mb=-1), ValueError, "must be positive"),
+    "install_over_a_foreign_pass": (lambda g: _install_over_foreign(), RuntimeError, "already set"),
+    "trace_with_other_world_size": (
+        lambda g: passes.testing.trace(lambda x: x, torch.ones(1), world_size=8), ValueError,
+        "a gloo process group of size 2 is initialized"),
     "compiled_autograd_without_python_reducer": (
         lambda g: ch.compiled_autograd().__enter__(), RuntimeError, "optimize_ddp = 'python_reducer'"),
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _traced():
+    """A hook graph traced against the real group (built before the cases run: tracing
+    dispatches collectives on fake tensors, which the counter would see)."""
+    hook = ch.allreduce_hook
+    state = _state(dist.group.WORLD)
+    return passes.testing.trace(lambda t: (hook(state, t), t)[1], torch.ones(4), world_size=None)
+
+
+def _install_over_foreign():
+    torch._inductor.config.post_grad_custom_post_pass = print
+    try:
+        passes.install()
+    finally:
+        torch._inductor.config.post_grad_custom_post_pass = None
 
 
 def _without_group(state):
@@ -85,17 +120,29 @@ def _without_group(state):
     return state
 
 
+CASE_TIMEOUT_S = 30
+
+
+def _case_timeout(signum, frame):
+    raise TimeoutError(f"case did not finish within {CASE_TIMEOUT_S}s")
+
+
 def misuse_worker(rank, world_size):
     group = dist.group.WORLD
     results = {}
+    _traced()
+    signal.signal(signal.SIGALRM, _case_timeout)
     for name, (call, _, _) in CASES.items():
         counter = CountCollectives()
+        signal.alarm(CASE_TIMEOUT_S)  # a case that hangs fails alone, named
         try:
             with counter:
                 call(group)
             results[name] = (None, "no exception", counter.count)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[name] = (type(e), str(e), counter.count)
+        finally:
+            signal.alarm(0)
     counter = CountCollectives()  # positive control: a valid call is counted
     with counter:
         ch.bf16_compress_hook(_lp(group), torch.ones(4))
