@@ -5,14 +5,16 @@
 
 Each rank trains a tiny transformer on a synthetic next-token task twice from the same
 seed: once with eager fp32 DDP (the reference), once with compiled DDP (python reducer +
-compiled autograd) and ``bf16_compress_hook``. Rank 0 prints the loss and step time of
-every step and, at the end, how far the compiled bf16 run's final loss is from the
-reference's. Exits non-zero if the runs disagree by more than ``--tolerance``.
+compiled autograd), ``bf16_compress_hook`` and this project's graph passes (``--no-passes``
+leaves them out). Rank 0 prints the loss and step time of every step, what the passes did,
+and how far the compiled bf16 run's final loss is from the reference's. Exits non-zero if the
+runs disagree by more than ``--tolerance``. ``PASSES_VERIFY=1`` checks every rewrite.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -23,9 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
 import compiled_hooks as ch
+import passes
 
 VOCAB, SEQ, BATCH = 64, 32, 16
 
@@ -77,7 +81,7 @@ def loss_fn(model, tokens, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def train(rank: int, steps: int, compiled: bool, log: bool) -> float:
+def train(rank: int, steps: int, compiled: bool, log: bool, use_passes: bool = True) -> float:
     torch.manual_seed(0)
     net = TinyTransformer()
     if compiled:
@@ -87,7 +91,7 @@ def train(rank: int, steps: int, compiled: bool, log: bool) -> float:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     for p in net.parameters():  # gradients exist from step 0: one backward graph for every step
         p.grad = torch.zeros_like(p)
-    label = "compiled DDP + bf16_compress_hook" if compiled else "eager DDP fp32"
+    label = "compiled DDP + bf16_compress_hook" + (" + passes" if use_passes else "") if compiled else "eager DDP fp32"
     if log:
         print(f"--- {label} ---", flush=True)
     for step in range(steps):
@@ -95,7 +99,7 @@ def train(rank: int, steps: int, compiled: bool, log: bool) -> float:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         if compiled:
-            with ch.compiled_autograd():
+            with passes.install() if use_passes else contextlib.nullcontext(), ch.compiled_autograd():
                 loss = loss_fn(model, tokens, targets)
                 loss.backward()
         else:
@@ -108,14 +112,18 @@ def train(rank: int, steps: int, compiled: bool, log: bool) -> float:
         if log:
             note = " (includes compilation)" if compiled and step == 0 else ""
             print(f"step {step:3d}  loss {mean_loss.item():.4f}  {elapsed * 1e3:8.1f} ms{note}", flush=True)
+    if log and compiled and use_passes:
+        done = {k: v for k, v in counters["passes"].items() if "skipped" not in k}
+        print("passes: " + ("; ".join(f"{k} (x{v})" for k, v in done.items()) or
+                            "nothing to do (or the compiled graph came from the FX graph cache)"), flush=True)
     return mean_loss.item()
 
 
-def run(rank: int, world_size: int, steps: int, tolerance: float) -> bool:
+def run(rank: int, world_size: int, steps: int, tolerance: float, use_passes: bool = True) -> bool:
     log = rank == 0
     # Eager DDP first: compile_ddp switches the process to DDP's python reducer.
     reference = train(rank, steps, compiled=False, log=log)
-    result = train(rank, steps, compiled=True, log=log)
+    result = train(rank, steps, compiled=True, log=log, use_passes=use_passes)
     rel = abs(result - reference) / abs(reference)
     ok = rel <= tolerance
     if log:
@@ -129,7 +137,7 @@ def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        ok = run(rank, world_size, args.steps, args.tolerance)
+        ok = run(rank, world_size, args.steps, args.tolerance, not args.no_passes)
         dist.barrier()  # gloo aborts a process whose peer tore the group down first
     finally:
         dist.destroy_process_group()
@@ -148,11 +156,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="max relative final-loss difference")
+    parser.add_argument("--no-passes", action="store_true", help="compile without this project's graph passes")
     args = parser.parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("gloo")
         try:
-            ok = run(dist.get_rank(), dist.get_world_size(), args.steps, args.tolerance)
+            ok = run(dist.get_rank(), dist.get_world_size(), args.steps, args.tolerance, not args.no_passes)
             dist.barrier()
         finally:
             dist.destroy_process_group()

@@ -8,13 +8,18 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_train_ddp_example():
+def test_train_ddp_example_with_verified_passes():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1"}  # every rewrite checked
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--steps", "6"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "--- compiled DDP + bf16_compress_hook ---" in proc.stdout
+    assert "--- compiled DDP + bf16_compress_hook + passes ---" in proc.stdout
+    # the passes rewrote the example's backward and the verifier found nothing wrong
+    passes_line = next(line for line in proc.stdout.splitlines() if line.startswith("passes: "))
+    assert "folded factors into reduce op avg" in passes_line and "bucketed" in passes_line, passes_line
+    assert "fold_collective_scaling: verified" in passes_line and "fuse_collective_casts: verified" in passes_line
     assert proc.stdout.count("step ") == 12
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and "(OK" in final[0], proc.stdout
