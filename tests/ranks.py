@@ -23,13 +23,13 @@ class RankError(RuntimeError):
     pass
 
 
-def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: tuple, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     reported = False
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
@@ -43,14 +43,15 @@ def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: t
             q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+              backend: str = "gloo") -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, store_path, q, args), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, store_path, q, args, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
