@@ -4,6 +4,7 @@ The gradient-communication hooks of ``torch.distributed.algorithms._comm_hooks.d
 rewritten with functional collectives, so ``torch.compile`` traces them without graph breaks.
 """
 
+from . import fsdp
 from .ddp import compile_ddp, compiled_autograd, ddp_comm_hook
 from .hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
 from .state import DefaultState, LowPrecisionState
@@ -18,4 +19,5 @@ __all__ = [
     "ddp_comm_hook",
     "compile_ddp",
     "compiled_autograd",
+    "fsdp",
 ]

@@ -1,4 +1,4 @@
-"""The README's main example runs as written and its two runs agree."""
+"""The README's examples run as written and their two runs agree."""
 
 import os
 import pathlib
@@ -21,5 +21,16 @@ def test_train_ddp_example_with_verified_passes():
     assert "folded factors into reduce op avg" in passes_line and "bucketed" in passes_line, passes_line
     assert "fold_collective_scaling: verified" in passes_line and "fuse_collective_casts: verified" in passes_line
     assert proc.stdout.count("step ") == 12
+    final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
+    assert len(final) == 1 and "(OK" in final[0], proc.stdout
+
+
+def test_train_fsdp2_example():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_fsdp2.py"), "--steps", "4"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("bf16_compress_hook: loss") == 4
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and "(OK" in final[0], proc.stdout

@@ -93,6 +93,7 @@ def fsdp_worker(rank, world_size, reshard):
                 params = [(a.to_local().detach().clone(), b.to_local().detach().clone())
                           for a, b in zip(with_hook.parameters(), with_mp.parameters())]
                 out[f"mp {dtype} wrapping={has_wrapping} compile={compile}"] = (grads, params)
+    out["compiled graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return out
 
 
@@ -127,6 +128,7 @@ def test_registration_rules(outcomes):
 def test_low_precision_hooks_match_mixed_precision(outcomes):
     keys = [k for k in outcomes[0] if k.startswith("mp ")]
     assert len(keys) == 5
+    assert all(out["compiled graphs"] >= 1 for out in outcomes)  # compile=True really compiled the hook
     for rank, out in enumerate(outcomes):
         for key in keys:
             grads, params = out[key]

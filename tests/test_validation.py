@@ -93,6 +93,12 @@ CASES = {
     "trace_with_other_world_size": (
         lambda g: passes.testing.trace(lambda x: x, torch.ones(1), world_size=8), ValueError,
         "a gloo process group of size 2 is initialized"),
+    "fsdp_hook_on_plain_module": (
+        lambda g: ch.fsdp.register_comm_hook(torch.nn.Linear(2, 2), _state(g), ch.reduce_scatter_hook), TypeError,
+        "expected a module to which fully_shard was applied"),
+    "fsdp_hook_with_bad_state": (
+        lambda g: ch.fsdp.register_comm_hook(_sharded(), object(), ch.reduce_scatter_hook), TypeError,
+        "state must be a DefaultState"),
     "compiled_autograd_without_python_reducer": (
         lambda g: ch.compiled_autograd().__enter__(), RuntimeError, "optimize_ddp = 'python_reducer'"),
 }
@@ -105,6 +111,14 @@ def _traced():
     hook = ch.allreduce_hook
     state = _state(dist.group.WORLD)
     return passes.testing.trace(lambda t: (hook(state, t), t)[1], torch.ones(4), world_size=None)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(torch.nn.Linear(2, 2), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
 
 
 def _install_over_foreign():
@@ -130,7 +144,7 @@ def _case_timeout(signum, frame):
 def misuse_worker(rank, world_size):
     group = dist.group.WORLD
     results = {}
-    _traced()
+    _traced(), _sharded()
     signal.signal(signal.SIGALRM, _case_timeout)
     for name, (call, _, _) in CASES.items():
         counter = CountCollectives()

@@ -1,0 +1,111 @@
+"""FSDP2 with a compression comm hook, checked against FSDP2's own mixed precision.
+
+    python examples/train_fsdp2.py                     # spawns 2 CPU ranks over gloo
+    torchrun --nproc-per-node 2 examples/train_fsdp2.py
+
+Each rank trains the main example's tiny transformer twice from the same seed, with
+``fully_shard`` on every block and the root and ``torch.compile`` on every block: once with
+``compiled_hooks.fsdp.register_comm_hook(model, LowPrecisionState, bf16_compress_hook)``, once
+with FSDP2's ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` (the reference). Rank 0
+prints both losses every step and how far the final losses are apart; exits non-zero beyond
+``--tolerance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_ddp import TinyTransformer, batch, loss_fn  # noqa: E402
+
+import compiled_hooks as ch  # noqa: E402
+from compiled_hooks.fsdp import register_comm_hook  # noqa: E402
+
+
+def build(mesh, with_hook: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = TinyTransformer(dim=64, layers=2)
+    mp_policy = MixedPrecisionPolicy() if with_hook else MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        block.compile()
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if with_hook:
+        register_comm_hook(model, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+    return model
+
+
+def run(rank: int, world_size: int, steps: int, tolerance: float) -> bool:
+    mesh = init_device_mesh("cpu", (world_size,))
+    models = {"bf16_compress_hook": build(mesh, True), "FSDP2 reduce_dtype=bf16": build(mesh, False)}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
+    final = {}
+    for step in range(steps):
+        tokens, targets = batch(rank, step)
+        line = f"step {step:3d}"
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            loss = loss_fn(model, tokens, targets)
+            loss.backward()
+            opts[name].step()
+            opts[name].zero_grad()
+            elapsed = time.perf_counter() - t0
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+            final[name] = mean.item()
+            line += f"  {name}: loss {final[name]:.4f} ({elapsed * 1e3:7.1f} ms)"
+        if rank == 0:
+            print(line, flush=True)
+    ours, ref = final.values()
+    rel = abs(ours - ref) / abs(ref)
+    ok = rel <= tolerance
+    if rank == 0:
+        print(f"final loss: hook {ours:.4f}  FSDP2 mixed precision {ref:.4f}  relative difference {rel:.2e} "
+              f"({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}, {world_size} ranks)", flush=True)
+    return ok
+
+
+def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        ok = run(rank, world_size, args.steps, args.tolerance)
+        dist.barrier()  # gloo aborts a process whose peer tore the group down first
+    finally:
+        dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="max relative final-loss difference")
+    args = parser.parse_args()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        dist.init_process_group("gloo")
+        try:
+            ok = run(dist.get_rank(), dist.get_world_size(), args.steps, args.tolerance)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        sys.exit(0 if ok else 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(args.world_size, port, args), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()
