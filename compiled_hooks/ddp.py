@@ -22,7 +22,6 @@ import inspect
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["ddp_comm_hook", "compile_ddp", "compiled_autograd"]

@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,11 +134,16 @@ def run(rank: int, world_size: int, steps: int, tolerance: float, use_passes: bo
     return ok
 
 
-def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _in_group(rank: int, world_size: int, port: Optional[int], run_fn: Callable[..., bool],
+              args: argparse.Namespace) -> None:
+    """``run_fn(rank, world_size, args)`` inside a gloo group; exit code 1 when it returns False."""
+    if port is None:  # torchrun: rank, world size and rendezvous come from the environment
+        dist.init_process_group("gloo")
+    else:
+        torch.set_num_threads(1)  # the spawned ranks share this machine's cores
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        ok = run(rank, world_size, args.steps, args.tolerance, not args.no_passes)
+        ok = run_fn(dist.get_rank(), dist.get_world_size(), args)
         dist.barrier()  # gloo aborts a process whose peer tore the group down first
     finally:
         dist.destroy_process_group()
@@ -145,28 +151,33 @@ def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace) ->
         sys.exit(1)
 
 
-def _free_port() -> int:
+def launch(run_fn: Callable[..., bool], args: argparse.Namespace) -> None:
+    """Under torchrun run this rank; otherwise spawn ``args.world_size`` CPU ranks."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _in_group(-1, -1, None, run_fn, args)
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    mp.spawn(_in_group, args=(args.world_size, port, run_fn, args), nprocs=args.world_size)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def example_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="max relative final-loss difference")
+    return parser
+
+
+def _run_args(rank: int, world_size: int, args: argparse.Namespace) -> bool:
+    return run(rank, world_size, args.steps, args.tolerance, not args.no_passes)
+
+
+def main() -> None:
+    parser = example_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--no-passes", action="store_true", help="compile without this project's graph passes")
-    args = parser.parse_args()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-        try:
-            ok = run(dist.get_rank(), dist.get_world_size(), args.steps, args.tolerance, not args.no_passes)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        sys.exit(0 if ok else 1)
-    mp.spawn(_spawned, args=(args.world_size, _free_port(), args), nprocs=args.world_size)
+    launch(_run_args, parser.parse_args())
 
 
 if __name__ == "__main__":

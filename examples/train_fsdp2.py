@@ -13,20 +13,17 @@ prints both losses every step and how far the final losses are apart; exits non-
 
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import TinyTransformer, batch, loss_fn  # noqa: E402
+from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn  # noqa: E402
 
 import compiled_hooks as ch  # noqa: E402
 from compiled_hooks.fsdp import register_comm_hook  # noqa: E402
@@ -75,36 +72,12 @@ def run(rank: int, world_size: int, steps: int, tolerance: float) -> bool:
     return ok
 
 
-def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        ok = run(rank, world_size, args.steps, args.tolerance)
-        dist.barrier()  # gloo aborts a process whose peer tore the group down first
-    finally:
-        dist.destroy_process_group()
-    if not ok:
-        sys.exit(1)
+def _run_args(rank: int, world_size: int, args) -> bool:
+    return run(rank, world_size, args.steps, args.tolerance)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--tolerance", type=float, default=0.05, help="max relative final-loss difference")
-    args = parser.parse_args()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-        try:
-            ok = run(dist.get_rank(), dist.get_world_size(), args.steps, args.tolerance)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        sys.exit(0 if ok else 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.world_size, port, args), nprocs=args.world_size)
+    launch(_run_args, example_parser(__doc__.split("\n\n")[0]).parse_args())
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.fx import Graph, Node
 
 from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, check_graph, is_collective, new_node, record, val

@@ -15,19 +15,9 @@ import torch.multiprocessing as mp
 import compiled_hooks as ch
 import passes
 from tests.ranks import run_ranks
+from tests.test_ddp import _batch, _net as _mlp
 
 PG_TIMEOUT_S = 10
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 4))
-
-
-def _batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
 def _train_step(model, opt, net, rank, step):
