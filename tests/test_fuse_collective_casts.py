@@ -76,6 +76,26 @@ return [convert_element_type_1, convert_element_type_3, convert_element_type_5]"
 
     def test_fp16_buckets_with_its_divisions_inside(self):
         gm = ddp_graph("fp16", [(4,), (6,)], world_size=8)
+        self.assertExpectedInline(graph_str(gm), """\
+arg0_1: f32[4] = input
+arg1_1: f32[6] = input
+sin: f32[4] = aten.sin(arg0_1)
+div: f32[4] = aten.div(sin, 4.0)
+convert_element_type: f16[4] = prims.convert_element_type(div, f16)
+all_reduce: f16[4] = c10d.all_reduce(convert_element_type, 'sum', group(size=8))
+wait_tensor: f16[4] = c10d.wait_tensor(all_reduce)
+div_1: f16[4] = aten.div(wait_tensor, 2.0)
+convert_element_type_1: f32[4] = prims.convert_element_type(div_1, f32)
+sin_1: f32[6] = aten.sin(arg1_1)
+div_2: f32[6] = aten.div(sin_1, 4.0)
+convert_element_type_2: f16[6] = prims.convert_element_type(div_2, f16)
+all_reduce_1: f16[6] = c10d.all_reduce(convert_element_type_2, 'sum', group(size=8))
+wait_tensor_1: f16[6] = c10d.wait_tensor(all_reduce_1)
+div_3: f16[6] = aten.div(wait_tensor_1, 2.0)
+convert_element_type_3: f32[6] = prims.convert_element_type(div_3, f32)
+copy_: f32[4] = aten.copy_(arg0_1, convert_element_type_1)
+copy__1: f32[6] = aten.copy_(arg1_1, convert_element_type_3)
+return [convert_element_type_1, convert_element_type_3]""")
         self.assertRewrites(gm, fuse_collective_casts)
         self.assertExpectedInline(graph_str(gm), """\
 arg0_1: f32[4] = input
@@ -123,6 +143,25 @@ return [convert_element_type_1, convert_element_type_3]""")
 
         gm = trace(fn, torch.randn(12), torch.empty(6), torch.randn(4, 2), torch.empty(2, 2), world_size=2)
         fold_collective_scaling(gm.graph)
+        self.assertExpectedInline(graph_str(gm), """\
+a_1: f32[12] = input
+oa_1: f32[6] = input
+b_1: f32[4, 2] = input
+ob_1: f32[2, 2] = input
+convert_element_type: bf16[12] = prims.convert_element_type(a_1, bf16)
+view: bf16[12] = aten.view(convert_element_type, [-1])
+reduce_scatter_tensor: bf16[6] = c10d.reduce_scatter_tensor(view, 'avg', 2, group(size=2))
+wait_tensor: bf16[6] = c10d.wait_tensor(reduce_scatter_tensor)
+convert_element_type_1: f32[6] = prims.convert_element_type(wait_tensor, f32)
+convert_element_type_2: bf16[4, 2] = prims.convert_element_type(b_1, bf16)
+view_2: bf16[8] = aten.view(convert_element_type_2, [-1])
+reduce_scatter_tensor_1: bf16[4] = c10d.reduce_scatter_tensor(view_2, 'avg', 2, group(size=2))
+wait_tensor_1: bf16[4] = c10d.wait_tensor(reduce_scatter_tensor_1)
+view_3: bf16[2, 2] = aten.view(wait_tensor_1, [2, 2])
+convert_element_type_3: f32[2, 2] = prims.convert_element_type(view_3, f32)
+copy_: f32[6] = aten.copy_(oa_1, convert_element_type_1)
+copy__1: f32[2, 2] = aten.copy_(ob_1, convert_element_type_3)
+return [convert_element_type_1, convert_element_type_3]""")
         self.assertRewrites(gm, fuse_collective_casts)
         self.assertExpectedInline(graph_str(gm), """\
 a_1: f32[12] = input
