@@ -6,6 +6,7 @@ rewritten with functional collectives, so ``torch.compile`` traces them without 
 
 from . import fsdp
 from .ddp import compile_ddp, compiled_autograd, ddp_comm_hook
+from .grad_scaler import ShardedGradScaler
 from .hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
 from .state import DefaultState, LowPrecisionState
 
@@ -20,4 +21,5 @@ __all__ = [
     "compile_ddp",
     "compiled_autograd",
     "fsdp",
+    "ShardedGradScaler",
 ]
