@@ -99,6 +99,9 @@ CASES = {
     "fsdp_hook_with_bad_state": (
         lambda g: ch.fsdp.register_comm_hook(_sharded(), object(), ch.reduce_scatter_hook), TypeError,
         "state must be a DefaultState"),
+    "scaler_unscale_twice": (lambda g: _unscale_twice(), RuntimeError, "unscale_\\(\\) has already been called"),
+    "scaler_unsupported_optimizer": (
+        lambda g: _scaler_step(torch.optim.Adagrad), TypeError, "supports SGD, Adam, AdamW"),
     "compiled_autograd_without_python_reducer": (
         lambda g: ch.compiled_autograd().__enter__(), RuntimeError, "optimize_ddp = 'python_reducer'"),
 }
@@ -119,6 +122,32 @@ def _sharded():
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard(torch.nn.Linear(2, 2), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+
+
+def _scaled_model():
+    net = torch.nn.Linear(2, 2)
+    scaler = ch.ShardedGradScaler(device="cpu")
+    scaler.scale(net(torch.ones(1, 2)).sum()).backward()
+    return net, scaler
+
+
+@functools.lru_cache(maxsize=None)
+def _unscaled_once():
+    """A scaler whose optimizer was unscaled once (its valid all_reduce runs before the cases)."""
+    net, scaler = _scaled_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler.unscale_(opt)
+    return scaler, opt
+
+
+def _unscale_twice():
+    scaler, opt = _unscaled_once()
+    scaler.unscale_(opt)
+
+
+def _scaler_step(opt_cls):
+    net, scaler = _scaled_model()
+    scaler.step(opt_cls(net.parameters()))
 
 
 def _install_over_foreign():
@@ -144,7 +173,7 @@ def _case_timeout(signum, frame):
 def misuse_worker(rank, world_size):
     group = dist.group.WORLD
     results = {}
-    _traced(), _sharded()
+    _traced(), _sharded(), _unscaled_once()
     signal.signal(signal.SIGALRM, _case_timeout)
     for name, (call, _, _) in CASES.items():
         counter = CountCollectives()
