@@ -1,29 +1,40 @@
-"""Communication hooks for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""Communication hooks for FSDP2 (``torch.distributed.fsdp.fully_shard`` and its replicating
+sibling ``torch.distributed._composable.replicate_with_fsdp.replicate``).
 
 FSDP1's ``FullyShardedDataParallel.register_comm_hook(state, hook)`` does not exist for FSDP2,
 which offers lower-level hook points instead. :func:`register_comm_hook` uses them to run one of
-this package's reduce-scatter hooks (``reduce_scatter_hook``, ``fp16_compress_hook``,
-``bf16_compress_hook``, or any ``hook(state, grad, output)``) for the root module and every
-FSDP module below it:
+this package's hooks for the root module and every FSDP module below it:
 
-- ``set_custom_reduce_scatter``: FSDP2 hands the hook its flat reduce-scatter input (all of a
-  module's gradients, rank-major) and output (this rank's shard);
-- ``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)``: FSDP2
-  itself neither divides nor averages, so the hook's pre/post division is the only one.
+- sharded modules (``fully_shard``, FSDP1's FULL_SHARD / SHARD_GRAD_OP): the reduce-scatter
+  hook ``hook(state, grad, output)`` (``reduce_scatter_hook``, ``fp16_compress_hook``,
+  ``bf16_compress_hook``) runs as FSDP2's ``set_custom_reduce_scatter`` comm: it gets the flat
+  reduce-scatter input (all of a module's gradients, rank-major) and this rank's output shard;
+- replicated modules (``replicate``, FSDP1's NO_SHARD): the all-reduce hook ``hook(state, grad)``
+  (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``) gets the module's flat
+  gradient buffer and reduces it in place. FSDP2 has no public hook point that *replaces* its
+  all-reduce (``set_all_reduce_hook`` runs after it), so this goes through two FSDP2 internals
+  of torch 2.13, per parameter group: its ``mesh_info`` is replaced by a copy that is no longer
+  a ``DDPMeshInfo`` (FSDP2 then skips its own all-reduce) and the hook is installed as the
+  group's all-reduce hook. The mesh, the parameters' DTensor placements and the shared mesh
+  info object are left untouched.
+- everywhere, ``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)``:
+  FSDP2 itself neither divides nor averages, so the hook's pre/post division is the only one.
 
 The registration rules of FSDP1 hold: only the root accepts a hook (``register_comm_hook can
 only be called on a root instance.``), and a module that already has one refuses another
 (``A communication hook is already registered``). :func:`get_comm_hook` tells which hook and
 state a module uses (``(None, None)`` by default).
 
-Limits: modules that FSDP2 all-reduces itself (``replicate`` / HSDP replication) are refused
-with ``NotImplementedError``: FSDP2 issues that all-reduce with c10d directly, and no hook point
-replaces it. Do not combine a compression hook with ``MixedPrecisionPolicy(reduce_dtype=...)``:
-the hook compresses by itself (refused with ``ValueError``).
+Limits: HSDP (sharded *and* replicated over a 2-D mesh) is refused with
+``NotImplementedError``; so is ``set_requires_all_reduce(False)`` (gradient accumulation without
+communication) on a replicated module with a hook, at the backward that would need it. Do not
+combine a compression hook with ``MixedPrecisionPolicy(reduce_dtype=...)``: the hook compresses
+by itself (refused with ``ValueError``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
@@ -31,34 +42,40 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo
 
 from .state import DefaultState
 
-__all__ = ["register_comm_hook", "get_comm_hook", "HookReduceScatter"]
+__all__ = ["register_comm_hook", "get_comm_hook", "HookReduceScatter", "HookAllReduce"]
 
 ROOT_ONLY = "register_comm_hook can only be called on a root instance."
 ALREADY = "A communication hook is already registered"
 
 
-class HookReduceScatter(ReduceScatter):
-    """FSDP2 reduce-scatter comm that runs ``hook(state, input, output)``.
-
-    With ``compile=True`` the hook runs as a ``torch.compile(fullgraph=True)`` region, so its
-    division and casts are fused around the collective.
-    """
+class _HookRunner:
+    """Runs ``hook(state, *tensors)`` for the FSDP modules under ``root`` (compiled with
+    ``torch.compile(fullgraph=True)`` when asked, so the hook's division and casts are fused
+    around its collective), refusing, on every rank and before any collective, a hook that was
+    registered on a module that turned out not to be the root (FSDP2 decides it lazily)."""
 
     def __init__(self, state: DefaultState, hook: Callable[..., Any], root: FSDPModule, compile: bool = False):
         self.state, self.hook, self.root = state, hook, root
         self._run = torch.compile(hook, fullgraph=True) if compile else hook
 
+    def run(self, *tensors: torch.Tensor) -> None:
+        if self.root._get_fsdp_state()._is_root is False:
+            raise AssertionError(ROOT_ONLY)
+        self._run(self.state, *tensors)
+
+
+class HookReduceScatter(_HookRunner, ReduceScatter):
+    """FSDP2 reduce-scatter comm (``set_custom_reduce_scatter``) that runs
+    ``hook(state, input, output)``."""
+
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> Optional[dist.Work]:
-        # FSDP2 decides the root lazily (first forward); a hook registered on a module that
-        # turned out not to be the root is refused here, on every rank, before any collective.
-        if self.root._get_fsdp_state()._is_root is False:
-            raise AssertionError(ROOT_ONLY)
         if async_op:
             raise NotImplementedError("HookReduceScatter: async_op=True is not supported")
         if group.size() != self.state.world_size:
@@ -66,12 +83,83 @@ class HookReduceScatter(ReduceScatter):
                 f"register_comm_hook: the state's group has {self.state.world_size} ranks but FSDP reduces "
                 f"over a group of {group.size()}; build the state with the FSDP shard group."
             )
-        self._run(self.state, input_tensor, output_tensor)
+        self.run(input_tensor, output_tensor)
         return None
+
+
+class HookAllReduce(_HookRunner):
+    """All-reduce hook of one replicated FSDP2 parameter group: ``hook(state, flat_grad)``."""
+
+    def __init__(self, group: Any, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def __call__(self, flat_grad: torch.Tensor) -> None:
+        if not self.group.all_reduce_grads:
+            raise NotImplementedError(
+                "register_comm_hook: set_requires_all_reduce(False) on a replicated module is not supported "
+                "with a communication hook (the hook would reduce only the last micro-batch)."
+            )
+        self.run(flat_grad)
 
 
 def _fsdp_modules(module: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _positional_arity(hook: Callable[..., Any]) -> tuple[int, int]:
+    """(required, accepted) positional parameters of ``hook``."""
+    params = [p for p in inspect.signature(hook).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return sum(p.default is p.empty for p in params), len(params)
+
+
+def _is_replicated(group: Any) -> bool:
+    return isinstance(group.mesh_info, DDPMeshInfo)
+
+
+def _is_sharded(group: Any) -> bool:
+    return isinstance(group.mesh_info, FSDPMeshInfo)
+
+
+def _check_group(group: Any, state: DefaultState, hook: Callable[..., Any]) -> None:
+    name = getattr(hook, "__name__", repr(hook))
+    required, accepted = _positional_arity(hook)
+    if _is_replicated(group) and _is_sharded(group):
+        raise NotImplementedError(
+            "register_comm_hook: HSDP (a module both sharded and replicated) is not supported; "
+            "use fully_shard over one mesh dimension or replicate."
+        )
+    if _is_sharded(group):
+        kind, size, ok = "sharded", group.mesh_info.shard_mesh_size, accepted >= 3
+        need = "hook(state, grad, output) (a reduce-scatter hook)"
+    else:
+        kind, size, ok = "replicated", group.mesh_info.replicate_mesh_size, required <= 2
+        need = "hook(state, grad) (an all-reduce hook)"
+    if not ok:
+        raise TypeError(f"register_comm_hook: {name!r} cannot reduce a {kind} module: FSDP2 calls {need}")
+    reduce_dtype = group.mp_policy.reduce_dtype
+    if reduce_dtype is not None and reduce_dtype != getattr(state, "parameter_type", reduce_dtype):
+        raise ValueError(
+            f"register_comm_hook: the module's MixedPrecisionPolicy casts gradients to {reduce_dtype} "
+            "before the hook; a compression hook compresses by itself, so leave reduce_dtype unset."
+        )
+    if size != state.world_size:
+        raise ValueError(
+            f"register_comm_hook: the state's group has {state.world_size} ranks but the module is "
+            f"{kind} over {size}."
+        )
+
+
+def _take_over_all_reduce(group: Any, comm: HookAllReduce) -> None:
+    """Make FSDP2 skip its own all-reduce of this group and run ``comm`` instead (see the
+    module docstring). The replacement info is a plain ``DataParallelMeshInfo`` over the same
+    mesh; the original object, which other groups may share, is not modified."""
+    info = group.mesh_info
+    group.mesh_info = DataParallelMeshInfo(
+        **{f.name: getattr(info, f.name) for f in dataclasses.fields(DataParallelMeshInfo) if f.init}
+    )
+    group._all_reduce_hook = comm
 
 
 def get_comm_hook(module: torch.nn.Module) -> tuple[Optional[Callable[..., Any]], Any]:
@@ -81,46 +169,28 @@ def get_comm_hook(module: torch.nn.Module) -> tuple[Optional[Callable[..., Any]]
 
 def register_comm_hook(module: torch.nn.Module, state: DefaultState, hook: Callable[..., Any],
                        *, compile: bool = False) -> None:
-    """Run ``hook`` for the gradient reduction of ``module`` (a root ``fully_shard`` module)
-    and of every FSDP module below it. See the module docstring."""
+    """Run ``hook`` for the gradient reduction of ``module`` (a root ``fully_shard`` or
+    ``replicate`` module) and of every FSDP module below it. See the module docstring."""
     if not isinstance(module, FSDPModule):
-        raise TypeError(f"register_comm_hook: expected a module to which fully_shard was applied, "
-                        f"got {type(module).__name__}")
+        raise TypeError(f"register_comm_hook: expected a module to which fully_shard or replicate was "
+                        f"applied, got {type(module).__name__}")
     if not isinstance(state, DefaultState):
         raise TypeError(f"register_comm_hook: state must be a DefaultState or LowPrecisionState, "
                         f"got {type(state).__name__}")
-    params = [p for p in inspect.signature(hook).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) < 3:
-        raise TypeError(f"register_comm_hook: {getattr(hook, '__name__', hook)!r} takes no output shard; FSDP2 "
-                        "reduce-scatters, so the hook must be callable as hook(state, grad, output)")
     if module._get_fsdp_state()._is_root is False:
         raise AssertionError(ROOT_ONLY)
     modules = _fsdp_modules(module)
     if any(get_comm_hook(m)[0] is not None for m in modules):
         raise AssertionError(ALREADY)
+    groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    for group in groups:
+        _check_group(group, state, hook)
+    reduce_scatter = HookReduceScatter(state, hook, module, compile=compile)
+    for group in groups:
+        if _is_replicated(group):
+            _take_over_all_reduce(group, HookAllReduce(group, state, hook, module, compile=compile))
     for m in modules:
-        for group in m._get_fsdp_state()._fsdp_param_groups:
-            info = group.mesh_info
-            if getattr(info, "replicate_mesh_size", 1) > 1 or not hasattr(info, "shard_mesh_size"):
-                raise NotImplementedError(
-                    "register_comm_hook: FSDP2 all-reduces replicated modules (replicate / HSDP) with c10d "
-                    "itself, and no hook point replaces that all-reduce; only sharded modules are supported."
-                )
-            reduce_dtype = group.mp_policy.reduce_dtype
-            if reduce_dtype is not None and reduce_dtype != getattr(state, "parameter_type", reduce_dtype):
-                raise ValueError(
-                    f"register_comm_hook: the module's MixedPrecisionPolicy casts gradients to {reduce_dtype} "
-                    "before the hook; a compression hook compresses by itself, so leave reduce_dtype unset."
-                )
-            if group.mesh_info.shard_mesh_size != state.world_size:
-                raise ValueError(
-                    f"register_comm_hook: the state's group has {state.world_size} ranks but the module is "
-                    f"sharded over {group.mesh_info.shard_mesh_size}."
-                )
-    comm = HookReduceScatter(state, hook, module, compile=compile)
-    for m in modules:
-        m.set_custom_reduce_scatter(comm)
+        m.set_custom_reduce_scatter(reduce_scatter)
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
         m._comm_hook, m._comm_hook_state = hook, state

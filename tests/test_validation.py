@@ -95,10 +95,13 @@ CASES = {
         "a gloo process group of size 2 is initialized"),
     "fsdp_hook_on_plain_module": (
         lambda g: ch.fsdp.register_comm_hook(torch.nn.Linear(2, 2), _state(g), ch.reduce_scatter_hook), TypeError,
-        "expected a module to which fully_shard was applied"),
+        "expected a module to which fully_shard or replicate was applied"),
     "fsdp_hook_with_bad_state": (
         lambda g: ch.fsdp.register_comm_hook(_sharded(), object(), ch.reduce_scatter_hook), TypeError,
         "state must be a DefaultState"),
+    "fsdp_hook_on_hsdp": (
+        lambda g: ch.fsdp.register_comm_hook(_hsdp(), _state(g), ch.reduce_scatter_hook), NotImplementedError,
+        "HSDP"),
     "scaler_unscale_twice": (lambda g: _unscale_twice(), RuntimeError, "unscale_\\(\\) has already been called"),
     "scaler_unsupported_optimizer": (
         lambda g: _scaler_step(torch.optim.Adagrad), TypeError, "supports SGD, Adam, AdamW"),
@@ -122,6 +125,14 @@ def _sharded():
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard(torch.nn.Linear(2, 2), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+
+
+def _hsdp():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    return fully_shard(torch.nn.Linear(2, 2), mesh=mesh)
 
 
 def _scaled_model():
