@@ -1,0 +1,329 @@
+"""ZeRO-1 for compiled (and eager) DDP: a sharded optimizer whose step runs inside the gradient
+hooks, with a graph that is the same on every rank.
+
+The eager original (``torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook`` on top of
+``ZeroRedundancyOptimizer(overlap_with_ddp=True)``) learns DDP's bucket layout at run time, so
+its first iterations update nothing, and it needs NCCL. Here the layout is fixed when the
+optimizer is built, so parameters change from the first step, on any backend.
+
+Rank independence. Ranks that trace different graphs issue collectives in different orders
+(gloo aborts with "collective mismatch" or hangs), so nothing traced branches on the rank: the
+rank is *data* (``ZeroOptimizer.rank_index``, a one-element tensor).
+
+- ``shard_buckets=False``: whole parameters, assigned greedily by size (largest first, ties in
+  gradient-ready order) to the least-loaded rank. Each rank holds flat state buffers of the
+  largest rank's load; a parameter's state sits at the same offset on every rank (in its
+  owner's buffer). Every rank computes the update on those offsets, keeps it only where it
+  owns the parameter (``torch.where`` on the rank), and the owner's new value is broadcast::
+
+      g = hook(grad)                                   # all_reduce (avg)
+      new_p, new_s = update(p, g, s[off:off+n], step)  # every rank; s written where owner == rank
+      p <- broadcast(new_p, src=owner)
+
+  Optimizer compute is thereby spent on every rank; optimizer *memory* is what is sharded.
+- ``shard_buckets=True``: every parameter is split evenly (flat, padded to a multiple of N):
+  each rank updates its slice (selected with ``rank_index``) and the slices are broadcast from
+  their owners and concatenated. ``passes.shard_weight_update`` rewrites that all_reduce +
+  own-slice read + N broadcasts into reduce_scatter + all_gather. The full averaged gradient is
+  never written back: ``param.grad`` keeps this rank's local gradient.
+
+Both schedules of the original: :func:`hook_with_zero_step` updates after the last gradient
+(python reducer: a final autograd callback; C++ reducer: the last bucket), and
+:func:`hook_with_zero_step_interleaved` updates each parameter as soon as its gradient is
+reduced. ``passes.interleave_zero_broadcasts`` schedules the compiled graph accordingly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+import torch.nn.functional as F
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
+
+from .ddp import _required_positional
+from .optim_math import UPDATES, hyperparameters, state_names
+
+__all__ = ["ZeroOptimizer", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+
+def assign_whole_parameters(numels: list[int], world_size: int) -> tuple[list[int], list[int], list[int]]:
+    """(owner, offset, load per rank) for parameters of ``numels`` given in gradient-ready
+    order: largest first (stable), each to the least-loaded rank (lowest rank on ties)."""
+    owner, offset, load = [0] * len(numels), [0] * len(numels), [0] * world_size
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        r = min(range(world_size), key=lambda r: load[r])
+        owner[i], offset[i] = r, load[r]
+        load[r] += numels[i]
+    return owner, offset, load
+
+
+class ZeroOptimizer:
+    """ZeRO-1: each rank keeps optimizer state only for what it owns; after :meth:`step` (or
+    the ZeRO hooks) every rank holds identical parameters.
+
+    Args:
+        params: one iterable of parameters (several parameter groups are not supported), all
+            requiring grad, in the order DDP registers them (its gradient-ready order is the
+            reverse).
+        optimizer_class: ``torch.optim.SGD`` (with or without momentum), ``Adam`` or ``AdamW``.
+        process_group: the group to shard over (default: the default group).
+        shard_buckets: split every parameter evenly across ranks instead of assigning whole
+            parameters (see the module docstring).
+        **defaults: the optimizer's hyperparameters (validated by ``optimizer_class``).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], optimizer_class: type,
+                 process_group: dist.ProcessGroup | None = None, shard_buckets: bool = False, **defaults: Any):
+        params = list(params)
+        if not params:
+            raise ValueError("ZeroOptimizer: got an empty parameter list")
+        if any(isinstance(p, dict) for p in params):
+            raise ValueError("ZeroOptimizer: several parameter groups are not supported; pass one iterable of parameters")
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"ZeroOptimizer: parameter {i} is a {type(p).__name__}, not a tensor")
+            if not p.requires_grad:
+                raise ValueError(f"ZeroOptimizer: parameter {i} (shape {tuple(p.shape)}) does not require grad; "
+                                 "leave it out of the optimizer")
+            if not p.is_floating_point():
+                raise TypeError(f"ZeroOptimizer: parameter {i} has dtype {p.dtype}; only floating point is supported")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("ZeroOptimizer: a parameter appears more than once")
+        self.optimizer_class = optimizer_class
+        self.hp = hyperparameters(optimizer_class, defaults)
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.shard_buckets = shard_buckets
+        self.params = params
+        self._index = {id(p): i for i, p in enumerate(params)}
+        device = params[0].device
+        self.rank_index = torch.tensor([self.rank], device=device)
+        self._steps = torch.zeros(len(params), dtype=torch.float64, device=device)
+        names = state_names(optimizer_class, self.hp)
+        n = self.world_size
+        if shard_buckets:
+            self._chunks = [math.ceil(p.numel() / n) for p in params]
+            self._state = [{k: torch.zeros(c, dtype=p.dtype, device=device) for k in names}
+                           for p, c in zip(params, self._chunks)]
+        else:
+            ready = list(reversed(range(len(params))))
+            owner, offset, load = assign_whole_parameters([params[i].numel() for i in ready], n)
+            self.owner = [0] * len(params)
+            self._offset = [0] * len(params)
+            for j, i in enumerate(ready):
+                self.owner[i], self._offset[i] = owner[j], offset[j]
+            dtype = params[0].dtype
+            if any(p.dtype != dtype for p in params):
+                raise TypeError("ZeroOptimizer: whole-parameter sharding needs one parameter dtype; "
+                                "use shard_buckets=True for mixed dtypes")
+            self._buffers = {k: torch.zeros(max(load), dtype=dtype, device=device) for k in names}
+
+    # -- the step --------------------------------------------------------------------------
+    def index_of(self, param: torch.Tensor) -> int:
+        try:
+            return self._index[id(param)]
+        except KeyError:
+            raise ValueError(f"ZeroOptimizer: a parameter of shape {tuple(param.shape)} is not in this optimizer") from None
+
+    def _state_views(self, i: int) -> dict[str, torch.Tensor]:
+        p = self.params[i]
+        if self.shard_buckets:
+            return self._state[i]
+        off = self._offset[i]
+        return {k: buf[off:off + p.numel()].view_as(p) for k, buf in self._buffers.items()}
+
+    @torch.no_grad()
+    def update(self, i: int, grad: torch.Tensor) -> None:
+        """Apply the optimizer to parameter ``i`` with the (already averaged) ``grad`` and make
+        the result identical on every rank. Traceable; the same graph on every rank."""
+        p = self.params[i]
+        if grad.shape != p.shape:
+            raise ValueError(f"ZeroOptimizer: gradient of shape {tuple(grad.shape)} for parameter {i} of shape {tuple(p.shape)}")
+        step = self._steps[i] + 1
+        self._steps[i] = step
+        state = self._state_views(i)
+        rule = UPDATES[self.optimizer_class]
+        if self.shard_buckets:
+            n, c = self.world_size, self._chunks[i]
+
+            def mine(t: torch.Tensor) -> torch.Tensor:
+                flat = F.pad(t.reshape(-1), (0, n * c - t.numel()))
+                return flat.view(n, c).index_select(0, self.rank_index).view(c)
+
+            new_mine, new_state = rule(mine(p), mine(grad.to(p.dtype)), state, step, self.hp)
+            for k, t in state.items():
+                t.copy_(new_state[k])
+            parts = [fcol.broadcast(new_mine, src, self.process_group) for src in range(n)]
+            p.copy_(torch.cat(parts)[: p.numel()].view_as(p))
+        else:
+            new_p, new_state = rule(p, grad.to(p.dtype), state, step, self.hp)
+            owned = (self.rank_index == self.owner[i]).reshape(())
+            for k, t in state.items():
+                t.copy_(torch.where(owned, new_state[k], t))
+            p.copy_(fcol.broadcast(new_p.contiguous(), self.owner[i], self.process_group))
+
+    def step(self) -> None:
+        """Update every parameter that has a gradient, from ``param.grad`` as it is (average the
+        gradients first, e.g. with DDP). Without the ZeRO hooks this is the whole step."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self.update(i, p.grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # -- accounting and checkpoints --------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (per-element state and step counts)."""
+        tensors = [t for s in self._state for t in s.values()] if self.shard_buckets else list(self._buffers.values())
+        return sum(t.numel() * t.element_size() for t in tensors) + self._steps.numel() * self._steps.element_size()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state in ``torch.optim`` format (loadable by ``optimizer_class``), on every
+        rank. Collective: every rank of the group must call it."""
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for i, p in enumerate(self.params):
+            views = self._state_views(i)
+            full = {}
+            for k, t in views.items():
+                if self.shard_buckets:
+                    out = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
+                    dist.all_gather_into_tensor(out, t.contiguous(), group=self.process_group)
+                    full[k] = out[: p.numel()].view_as(p).clone()
+                else:
+                    full[k] = t.clone()
+                    dist.broadcast(full[k], dist.get_global_rank(self.process_group, self.owner[i]),
+                                   group=self.process_group)
+            step = float(self._steps[i])
+            if step == 0:
+                continue
+            if self.optimizer_class is not torch.optim.SGD:
+                full["step"] = torch.tensor(step, dtype=torch.float32)
+            state[i] = full
+        return {"state": state, "param_groups": [{**self.hp, "params": list(range(len(self.params)))}]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (or a ``torch.optim`` state dict of the same
+        parameters, one group); each rank keeps its part."""
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
+            raise ValueError(f"ZeroOptimizer.load_state_dict: expected one parameter group of {len(self.params)} "
+                             f"parameters, got {[len(g['params']) for g in groups]}")
+        position = {pid: i for i, pid in enumerate(groups[0]["params"])}
+        self.hp.update({k: v for k, v in groups[0].items() if k in self.hp})
+        self._steps.zero_()
+        for views in (self._state_views(i) for i in range(len(self.params))):
+            for t in views.values():
+                t.zero_()
+        for pid, saved in state_dict["state"].items():
+            i = position[pid]
+            p = self.params[i]
+            self._steps[i] = float(saved["step"]) if "step" in saved else 1.0
+            for k, t in self._state_views(i).items():
+                full = saved[k].to(device=t.device, dtype=t.dtype)
+                if full.shape != p.shape:
+                    raise ValueError(f"ZeroOptimizer.load_state_dict: state {k!r} of parameter {i} has shape "
+                                     f"{tuple(full.shape)}, expected {tuple(p.shape)}")
+                if self.shard_buckets:
+                    n, c = self.world_size, self._chunks[i]
+                    t.copy_(F.pad(full.reshape(-1), (0, n * c - p.numel())).view(n, c)[self.rank])
+                elif self.owner[i] == self.rank:
+                    t.copy_(full)
+
+
+# -- the hooks -----------------------------------------------------------------------------
+
+def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
+                    shard_buckets: bool, interleaved: bool, name: str) -> Callable[[Any, Any], Any]:
+    if not callable(hook) or _required_positional(hook) != 2:
+        raise TypeError(f"{name}: hook must be callable as hook(state, grad) (allreduce_hook, fp16_compress_hook, "
+                        f"bf16_compress_hook), got {getattr(hook, '__name__', hook)!r}")
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"{name}: ddp must be a DistributedDataParallel, got {type(ddp).__name__}")
+    if not isinstance(zero, ZeroOptimizer):
+        raise TypeError(f"{name}: zero must be a compiled_hooks.zero.ZeroOptimizer, got {type(zero).__name__}")
+    if shard_buckets != zero.shard_buckets:
+        raise ValueError(f"{name}: shard_buckets={shard_buckets} but the ZeroOptimizer was built with "
+                         f"shard_buckets={zero.shard_buckets}; build both the same way")
+    trained = [p for p in ddp.module.parameters() if p.requires_grad]
+    if {id(p) for p in trained} != {id(p) for p in zero.params}:
+        raise ValueError(f"{name}: the ZeroOptimizer must hold exactly the DDP module's parameters that require grad "
+                         f"({len(trained)} of them), got {len(zero.params)}")
+    if ddp.process_group.size() != zero.world_size:
+        raise ValueError(f"{name}: DDP's group has {ddp.process_group.size()} ranks, the ZeroOptimizer's {zero.world_size}")
+    if torch._dynamo.config.optimize_ddp == "python_reducer" and not ddp._use_python_reducer:
+        raise ValueError(f"{name}: this DDP was built before torch._dynamo.config.optimize_ddp = 'python_reducer' was "
+                         "set, so compiled autograd cannot trace its hooks; build it with compile_ddp or after "
+                         "setting the flag")
+    pending: list[tuple[int, torch.Tensor]] = []
+
+    def reduce(state: Any, grad: torch.Tensor) -> torch.Tensor:
+        if zero.shard_buckets:  # only this rank's slice of the average is needed: grad stays local
+            grad = grad.detach().clone()
+        hook(state, grad)
+        return grad
+
+    def step_pending() -> None:
+        for i, g in pending:
+            zero.update(i, g)
+        pending.clear()
+
+    def ready(i: int, grad: torch.Tensor) -> None:
+        if interleaved:
+            zero.update(i, grad)
+        else:
+            pending.append((i, grad))
+
+    def zero_hook(state, bucket):
+        if isinstance(bucket, tuple):  # python reducer: (param.grad, param), once per parameter
+            grad, param = bucket
+            if not interleaved and not pending:  # runs once backward is done
+                Variable._execution_engine.queue_callback(step_pending)
+            ready(zero.index_of(param), reduce(state, grad))
+            return None
+        buffer = bucket.buffer()
+        reduced = reduce(state, buffer)
+        params = bucket.parameters()
+        offset = 0
+        for p in params:
+            g = reduced[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            ready(zero.index_of(p), g)
+        if bucket.is_last() and not interleaved:
+            step_pending()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+
+    zero_hook.__name__ = f"{name}_{getattr(hook, '__name__', 'hook')}"
+    zero_hook.__qualname__ = zero_hook.__name__
+    return zero_hook
+
+
+def hook_with_zero_step(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
+                        shard_buckets: bool = False) -> Callable[[Any, Any], Any]:
+    """A DDP comm hook (register it with ``ddp.register_comm_hook(state, ...)``) that averages
+    gradients with ``hook(state, grad)`` and runs ``zero``'s step after the last gradient is
+    reduced, overlapping the outstanding gradient collectives. Works with compiled DDP (python
+    reducer + :func:`compiled_hooks.compiled_autograd`: backward, step and broadcasts in one
+    graph) and with eager DDP, on any backend, updating parameters from the first step.
+    ``shard_buckets`` must match the ``ZeroOptimizer``'s."""
+    return _hook_with_zero(hook, ddp, zero, shard_buckets, interleaved=False, name="hook_with_zero_step")
+
+
+def hook_with_zero_step_interleaved(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
+                                    shard_buckets: bool = False) -> Callable[[Any, Any], Any]:
+    """Like :func:`hook_with_zero_step`, but each parameter is updated and broadcast as soon as
+    its gradient is reduced, so broadcasts interleave with the later gradient collectives."""
+    return _hook_with_zero(hook, ddp, zero, shard_buckets, interleaved=True, name="hook_with_zero_step_interleaved")

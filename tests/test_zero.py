@@ -1,0 +1,143 @@
+"""ZeroOptimizer and the ZeRO hooks on 2 and 4 gloo ranks, against a single-process unsharded
+torch.optim optimizer fed the averaged gradients."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import compiled_hooks as ch
+from compiled_hooks.zero import ZeroOptimizer, assign_whole_parameters, hook_with_zero_step, hook_with_zero_step_interleaved
+from tests.ranks import run_ranks
+
+STEPS = 5
+OPTIMIZERS = {
+    "sgd_momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    "adam": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.01)),
+    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+}
+SCHEDULES = {"after_backward": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
+
+
+def _net():
+    torch.manual_seed(0)
+    # sizes chosen so neither whole-parameter assignment nor padding is trivial
+    return torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.Tanh(), torch.nn.Linear(30, 17), torch.nn.Tanh(),
+                               torch.nn.Linear(17, 3))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 12, generator=g), torch.randn(6, 3, generator=g)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def reference(world_size, opt_name):
+    """Parameters after each step of the unsharded optimizer on the mean of the ranks' gradients."""
+    net = _net()
+    cls, kw = OPTIMIZERS[opt_name]
+    opt = cls(net.parameters(), foreach=False, **kw)
+    history = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = sum(_loss(net, *_batch(r, step)) for r in range(world_size)) / world_size
+        loss.backward()
+        opt.step()
+        history.append([p.detach().clone() for p in net.parameters()])
+    return history, opt.state_dict()
+
+
+def zero_worker(rank, world_size, configs, compiled):
+    """For each (optimizer, schedule, shard_buckets): parameters after each step, state bytes,
+    and (compiled) the code of every graph Dynamo captured and the graph breaks."""
+    if compiled:
+        torch._dynamo.config.optimize_ddp = "python_reducer"
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+    out = {}
+    for opt_name, schedule, shard in configs:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        codes = []
+
+        def backend(gm, example_inputs):
+            codes.append(gm.code)
+            return aot_eager(gm, example_inputs)
+        net = _net()
+        cls, kw = OPTIMIZERS[opt_name]
+        zero = ZeroOptimizer(net.parameters(), cls, shard_buckets=shard, **kw)
+        ddp = DDP(net, bucket_cap_mb=0.001)  # several buckets in eager mode
+        ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD),
+                               SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard))
+        model = torch.compile(ddp, backend=backend) if compiled else ddp
+        history = []
+        for step in range(STEPS):
+            zero.zero_grad()
+            if compiled:
+                with ch.compiled_autograd(backend=backend):
+                    _loss(model, *_batch(rank, step)).backward()
+            else:
+                _loss(model, *_batch(rank, step)).backward()
+            history.append([p.detach().clone() for p in net.parameters()])
+        out[(opt_name, schedule, shard)] = dict(
+            history=history, state_bytes=zero.state_bytes(), state_dict=zero.state_dict(),
+            total=sum(p.numel() for p in net.parameters()), largest=max(p.numel() for p in net.parameters()),
+            codes=codes, breaks=dict(torch._dynamo.utils.counters["graph_break"]),
+        )
+    return out
+
+
+ALL = list(itertools.product(OPTIMIZERS, SCHEDULES, (False, True)))
+
+
+def check(outcomes, world_size):
+    refs = {name: reference(world_size, name) for name in OPTIMIZERS}
+    for key in outcomes[0]:
+        ref_history, ref_state = refs[key[0]]
+        for rank, out in enumerate(outcomes):
+            got = out[key]
+            for step, (params, ref) in enumerate(zip(got["history"], ref_history)):
+                for i, (a, b) in enumerate(zip(params, ref)):
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{key} rank {rank} step {step} param {i}")
+                    # bitwise identical across ranks
+                    assert torch.equal(a, outcomes[0][key]["history"][step][i]), (key, rank, step, i)
+            # parameters change from the very first step
+            assert not any(torch.equal(a, b) for a, b in zip(got["history"][0], _net().parameters())), key
+            # consolidated state equals torch's
+            for i, st in ref_state["state"].items():
+                for k, v in st.items():
+                    torch.testing.assert_close(got["state_dict"]["state"][i][k].float(), v.float(), rtol=1e-5,
+                                               atol=1e-7, msg=f"{key} state {i} {k}")
+            # memory: within 10% of total/N (+ the largest parameter when whole parameters are assigned)
+            per_element = len([k for k in ref_state["state"][0] if k != "step"])
+            share = per_element * 4 * got["total"] / world_size
+            slack = 0 if key[2] else per_element * 4 * got["largest"]
+            assert got["state_bytes"] <= 1.1 * share + slack, (key, got["state_bytes"], share, slack)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_eager_ddp_matches_unsharded_optimizer(world_size):
+    check(run_ranks(zero_worker, world_size, ALL, False, timeout=300), world_size)
+
+
+def test_compiled_ddp_matches_unsharded_optimizer():
+    outcomes = run_ranks(zero_worker, 2, ALL, True, timeout=600)
+    check(outcomes, 2)
+    for key, got in outcomes[0].items():
+        assert got["breaks"] == {}, (key, got["breaks"])
+        # forward, and one backward graph holding the collectives, the step and the broadcasts
+        backward = [c for c in got["codes"] if "broadcast" in c]
+        assert len(backward) == 1 and "all_reduce" in backward[0], (key, len(got["codes"]))
+        # rank-independent: every rank traced the very same graphs
+        assert all(out[key]["codes"] == got["codes"] for out in outcomes), key
+
+
+def test_whole_parameter_assignment_is_balanced():
+    owner, offset, load = assign_whole_parameters([5, 100, 7, 60, 40], 2)
+    assert load == [107, 105] and owner == [1, 0, 0, 1, 1]
+    assert (offset[1], offset[2], offset[3], offset[4], offset[0]) == (0, 100, 0, 60, 100)
