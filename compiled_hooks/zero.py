@@ -8,7 +8,7 @@ optimizer is built, so parameters change from the first step, on any backend.
 
 Rank independence. Ranks that trace different graphs issue collectives in different orders
 (gloo aborts with "collective mismatch" or hangs), so nothing traced branches on the rank: the
-rank is *data* (``ZeroOptimizer.rank_index``, a one-element tensor).
+rank is *data*, read when the graph runs by ``torch.ops.compiled_hooks.group_rank``.
 
 - ``shard_buckets=False``: whole parameters, assigned greedily by size (largest first, ties in
   gradient-ready order) to the least-loaded rank. Each rank holds flat state buffers of the
@@ -22,8 +22,8 @@ rank is *data* (``ZeroOptimizer.rank_index``, a one-element tensor).
 
   Optimizer compute is thereby spent on every rank; optimizer *memory* is what is sharded.
 - ``shard_buckets=True``: every parameter is split evenly (flat, padded to a multiple of N):
-  each rank updates its slice (selected with ``rank_index``) and the slices are broadcast from
-  their owners and concatenated. ``passes.shard_weight_update`` rewrites that all_reduce +
+  the hook reduces the padded flat gradient, each rank updates its slice (selected with
+  ``group_rank``) and the slices are broadcast from their owners and concatenated. ``passes.shard_weight_update`` rewrites that all_reduce +
   own-slice read + N broadcasts into reduce_scatter + all_gather. The full averaged gradient is
   never written back: ``param.grad`` keeps this rank's local gradient.
 
@@ -46,9 +46,10 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from .ddp import _required_positional
+from .group_rank import group_rank
 from .optim_math import UPDATES, hyperparameters, state_names
 
-__all__ = ["ZeroOptimizer", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+__all__ = ["ZeroOptimizer", "ZeroStep", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 
 def assign_whole_parameters(numels: list[int], world_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -103,7 +104,8 @@ class ZeroOptimizer:
         self.params = params
         self._index = {id(p): i for i, p in enumerate(params)}
         device = params[0].device
-        self.rank_index = torch.tensor([self.rank], device=device)
+        self._group_name = self.process_group.group_name
+        self._device = device
         self._steps = torch.zeros(len(params), dtype=torch.float64, device=device)
         names = state_names(optimizer_class, self.hp)
         n = self.world_size
@@ -138,23 +140,31 @@ class ZeroOptimizer:
         off = self._offset[i]
         return {k: buf[off:off + p.numel()].view_as(p) for k, buf in self._buffers.items()}
 
+    def padded(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (shaped like parameter ``i``) flat and zero-padded to ``world_size`` equal
+        slices (``shard_buckets=True``)."""
+        return F.pad(t.reshape(-1), (0, self.world_size * self._chunks[i] - t.numel()))
+
     @torch.no_grad()
     def update(self, i: int, grad: torch.Tensor) -> None:
         """Apply the optimizer to parameter ``i`` with the (already averaged) ``grad`` and make
-        the result identical on every rank. Traceable; the same graph on every rank."""
+        the result identical on every rank. Traceable; the same graph on every rank. With
+        ``shard_buckets=True``, ``grad`` may also be :meth:`padded` (only this rank's slice of
+        it is read)."""
         p = self.params[i]
-        if grad.shape != p.shape:
+        if grad.shape != p.shape and not (self.shard_buckets and grad.shape == (self.world_size * self._chunks[i],)):
             raise ValueError(f"ZeroOptimizer: gradient of shape {tuple(grad.shape)} for parameter {i} of shape {tuple(p.shape)}")
         step = self._steps[i] + 1
         self._steps[i] = step
         state = self._state_views(i)
         rule = UPDATES[self.optimizer_class]
+        rank = group_rank(self._group_name, self._device)
         if self.shard_buckets:
             n, c = self.world_size, self._chunks[i]
 
             def mine(t: torch.Tensor) -> torch.Tensor:
-                flat = F.pad(t.reshape(-1), (0, n * c - t.numel()))
-                return flat.view(n, c).index_select(0, self.rank_index).view(c)
+                flat = t if t.dim() == 1 and t.numel() == n * c else self.padded(i, t)
+                return flat.view(n, c).index_select(0, rank).view(c)
 
             new_mine, new_state = rule(mine(p), mine(grad.to(p.dtype)), state, step, self.hp)
             for k, t in state.items():
@@ -163,7 +173,7 @@ class ZeroOptimizer:
             p.copy_(torch.cat(parts)[: p.numel()].view_as(p))
         else:
             new_p, new_state = rule(p, grad.to(p.dtype), state, step, self.hp)
-            owned = (self.rank_index == self.owner[i]).reshape(())
+            owned = (rank == self.owner[i]).reshape(())
             for k, t in state.items():
                 t.copy_(torch.where(owned, new_state[k], t))
             p.copy_(fcol.broadcast(new_p.contiguous(), self.owner[i], self.process_group))
@@ -244,6 +254,33 @@ class ZeroOptimizer:
 
 # -- the hooks -----------------------------------------------------------------------------
 
+class ZeroStep:
+    """The DDP-independent core of the ZeRO hooks: :meth:`reduce` averages parameter ``i``'s
+    gradient with ``hook(state, grad)`` and either updates at once (``interleaved``) or queues
+    the update for :meth:`finish`."""
+
+    def __init__(self, hook: Callable[..., Any], zero: ZeroOptimizer, interleaved: bool):
+        self.hook, self.zero, self.interleaved = hook, zero, interleaved
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def reduce(self, state: Any, i: int, grad: torch.Tensor, averaged: bool = False) -> None:
+        """``averaged``: ``grad`` was already averaged (a whole DDP bucket at once)."""
+        zero = self.zero
+        if zero.shard_buckets:  # only this rank's slice of the average is needed: grad stays local
+            grad = zero.padded(i, grad.detach())
+        if not averaged:
+            self.hook(state, grad)
+        if self.interleaved:
+            zero.update(i, grad)
+        else:
+            self.pending.append((i, grad))
+
+    def finish(self) -> None:
+        for i, g in self.pending:
+            self.zero.update(i, g)
+        self.pending.clear()
+
+
 def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
                     shard_buckets: bool, interleaved: bool, name: str) -> Callable[[Any, Any], Any]:
     if not callable(hook) or _required_positional(hook) != 2:
@@ -266,42 +303,25 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
         raise ValueError(f"{name}: this DDP was built before torch._dynamo.config.optimize_ddp = 'python_reducer' was "
                          "set, so compiled autograd cannot trace its hooks; build it with compile_ddp or after "
                          "setting the flag")
-    pending: list[tuple[int, torch.Tensor]] = []
-
-    def reduce(state: Any, grad: torch.Tensor) -> torch.Tensor:
-        if zero.shard_buckets:  # only this rank's slice of the average is needed: grad stays local
-            grad = grad.detach().clone()
-        hook(state, grad)
-        return grad
-
-    def step_pending() -> None:
-        for i, g in pending:
-            zero.update(i, g)
-        pending.clear()
-
-    def ready(i: int, grad: torch.Tensor) -> None:
-        if interleaved:
-            zero.update(i, grad)
-        else:
-            pending.append((i, grad))
+    core = ZeroStep(hook, zero, interleaved)
 
     def zero_hook(state, bucket):
         if isinstance(bucket, tuple):  # python reducer: (param.grad, param), once per parameter
             grad, param = bucket
-            if not interleaved and not pending:  # runs once backward is done
-                Variable._execution_engine.queue_callback(step_pending)
-            ready(zero.index_of(param), reduce(state, grad))
+            if not interleaved and not core.pending:  # runs once backward is done
+                Variable._execution_engine.queue_callback(core.finish)
+            core.reduce(state, zero.index_of(param), grad)
             return None
-        buffer = bucket.buffer()
-        reduced = reduce(state, buffer)
-        params = bucket.parameters()
+        buffer = bucket.buffer()  # C++ reducer: one bucket of flat gradients
+        if not zero.shard_buckets:
+            hook(state, buffer)
         offset = 0
-        for p in params:
-            g = reduced[offset:offset + p.numel()].view_as(p)
+        for p in bucket.parameters():
+            core.reduce(state, zero.index_of(p), buffer[offset:offset + p.numel()].view_as(p),
+                        averaged=not zero.shard_buckets)
             offset += p.numel()
-            ready(zero.index_of(p), g)
         if bucket.is_last() and not interleaved:
-            step_pending()
+            core.finish()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buffer)
         return fut

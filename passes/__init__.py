@@ -9,12 +9,16 @@ depends on the rank. ``install()`` registers a :class:`Pipeline` of them with In
 from . import testing
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
+from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .pipeline import Pipeline, default_pipeline, install
+from .shard_weight_update import shard_weight_update
 from .verify import PassVerificationError
 
 __all__ = [
     "fold_collective_scaling",
     "fuse_collective_casts",
+    "interleave_zero_broadcasts",
+    "shard_weight_update",
     "Pipeline",
     "default_pipeline",
     "install",

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.distributed_c10d as c10d
+
+import compiled_hooks.group_rank  # noqa: F401 - registers torch.ops.compiled_hooks.group_rank
 from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
@@ -30,7 +32,10 @@ c10d_ops = torch.ops._c10d_functional
 
 ALL_REDUCE = c10d_ops.all_reduce.default
 REDUCE_SCATTER = c10d_ops.reduce_scatter_tensor.default
+ALL_GATHER = c10d_ops.all_gather_into_tensor.default
+BROADCAST = c10d_ops.broadcast.default
 WAIT = c10d_ops.wait_tensor.default
+GROUP_RANK = torch.ops.compiled_hooks.group_rank.default  # this rank, read at run time
 COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER)
 
 MUL_OPS = (aten.mul.Tensor, aten.mul.Scalar)

@@ -25,6 +25,8 @@ from torch.fx import Graph
 
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
+from .interleave_zero_broadcasts import interleave_zero_broadcasts
+from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from ._graph import check_graph
 from .verify import check_rewrite, copy_graph
 
@@ -102,10 +104,15 @@ class Pipeline(CustomGraphPass):
         return f"Pipeline([{names}]{opts})"
 
 
-def default_pipeline(verify: Optional[bool] = None, **options: Any) -> Pipeline:
-    """``fold_collective_scaling`` then ``fuse_collective_casts`` (options: ``avg_backends``,
-    ``bucket_cap_mb``, ``first_bucket_cap_mb``)."""
-    return Pipeline([fold_collective_scaling, fuse_collective_casts], verify=verify, **options)
+def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False, **options: Any) -> Pipeline:
+    """``fold_collective_scaling``, ``fuse_collective_casts``, ``interleave_zero_broadcasts``
+    (options: ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``); with
+    ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces it
+    rewrites)."""
+    passes = [fold_collective_scaling, fuse_collective_casts, interleave_zero_broadcasts]
+    if shard_weight_update:
+        passes.insert(0, shard_weight_update_pass)
+    return Pipeline(passes, verify=verify, **options)
 
 
 class install:

@@ -4,11 +4,12 @@
 environment) calls :func:`check_rewrite` after every pass that changed the graph. Both graphs
 run on the same random inputs made from the placeholders' metadata (floats from a fixed-seed
 normal distribution, integers and booleans as zeros so that indices stay valid), with every
-collective *simulated* for N ranks that hold identical values: ``all_reduce`` sum is ``N * x``
-and avg is ``x``, ``reduce_scatter`` gives rank 0's shard, ``all_gather`` repeats, ``wait`` is the
-identity. So verification never communicates (it is safe at compile time on any number of
-ranks, whatever each rank compiles), and it checks exactly what the passes rewrite: the
-arithmetic and the data layout around the collectives.
+collective *simulated* for N ranks that hold identical values, seen from rank 0:
+``all_reduce`` sum is ``N * x`` and avg is ``x``, ``reduce_scatter`` gives rank 0's shard,
+``all_gather`` repeats, ``broadcast`` and ``wait`` are the identity, ``group_rank`` is 0.
+So verification never communicates (it is safe at compile time on any number of ranks,
+whatever each rank compiles), and it checks exactly what the passes rewrite: the arithmetic
+and the data layout around the collectives.
 
 A mismatch raises :class:`PassVerificationError` naming the pass, the first output that
 differs, the first node (by name, present in both graphs) whose value differs, and the graph
@@ -24,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
-from ._graph import ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, WAIT, c10d_ops, group_info, record
+from ._graph import ALL_GATHER, ALL_REDUCE, BROADCAST, COLLECTIVES, GROUP_RANK, REDUCE_SCATTER, WAIT, group_info, record
 from .testing import graph_str
 
 __all__ = ["PassVerificationError", "check_rewrite", "simulate", "random_inputs", "copy_graph"]
@@ -75,8 +76,9 @@ _SIMULATED: dict[Any, Callable[..., Any]] = {
     ALL_REDUCE: _all_reduce,
     REDUCE_SCATTER: _reduce_scatter,
     WAIT: lambda x: x,
-    c10d_ops.all_gather_into_tensor.default: lambda x, n, group: torch.cat([x] * n),
-    c10d_ops.broadcast.default: lambda x, src, group: x.clone(),
+    ALL_GATHER: lambda x, n, group: torch.cat([x] * n),
+    BROADCAST: lambda x, src, group: x.clone(),
+    GROUP_RANK: lambda group, device: torch.zeros(1, dtype=torch.int64, device=device),
 }
 
 
@@ -158,8 +160,10 @@ def _mismatch(ref: Any, got: Any, wire: Optional[torch.dtype]) -> Optional[str]:
     if not ref.dtype.is_floating_point:
         return None if torch.equal(ref, got) else "integer values differ"
     ref64, got64 = ref.double(), got.double()
-    finite = torch.isfinite(ref64)
-    if not torch.equal(finite, torch.isfinite(got64)) or not torch.equal(ref64[~finite], got64[~finite]):
+    finite, nan = torch.isfinite(ref64), torch.isnan(ref64)
+    infinite = ~finite & ~nan
+    if (not torch.equal(finite, torch.isfinite(got64)) or not torch.equal(nan, torch.isnan(got64))
+            or not torch.equal(ref64[infinite], got64[infinite])):
         return "non-finite values differ"
     eps = max(torch.finfo(ref.dtype).eps, torch.finfo(wire).eps if wire is not None else 0.0) / 2
     r, g = ref64[finite], got64[finite]

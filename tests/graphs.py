@@ -51,3 +51,48 @@ def ddp_fn(kind: str, group=None):
 def ddp_args(shapes, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(s, generator=g) for s in shapes)
+
+
+def zero_step_fn(zero, kind: str, interleaved: bool):
+    """``fn(*grads, *params, *state)``: the ZeRO hooks' backward for ``zero`` (a ZeroOptimizer
+    built on the fake group): each gradient reduced by the ``kind`` hook in gradient-ready
+    order, each parameter updated and broadcast, either as its gradient is reduced or after
+    the last one. The optimizer's tensors are rebound to the traced inputs."""
+    from compiled_hooks.zero import ZeroStep
+
+    hook, _, state_cls = HOOKS[kind]
+    state = state_cls(dist.group.WORLD)
+    n = len(zero.params)
+    owned = zero._state if zero.shard_buckets else [zero._buffers]
+
+    def fn(*args):
+        grads, params, flat_state = args[:n], args[n:2 * n], list(args[2 * n:])
+        zero.params, zero._index = list(params), {id(p): i for i, p in enumerate(params)}
+        zero._steps = flat_state.pop(0)
+        for d in owned:
+            for k in d:
+                d[k] = flat_state.pop(0)
+        core = ZeroStep(hook, zero, interleaved)
+        for i in reversed(range(n)):
+            core.reduce(state, i, torch.sin(grads[i]))  # the gradient's last backward op
+        core.finish()
+        return None
+
+    def args(seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        grads = [torch.randn(p.shape, generator=g) for p in zero.params]
+        params = [torch.randn(p.shape, generator=g) for p in zero.params]
+        state = [zero._steps.clone()] + [t.clone() for d in owned for t in d.values()]
+        return (*grads, *params, *state)
+
+    return fn, args
+
+
+def zero_optimizer(world_size: int, shapes, optimizer=torch.optim.Adam, shard_buckets: bool = False, **kw):
+    """A ZeroOptimizer on the fake ``world_size``-rank group over fresh parameters of ``shapes``."""
+    from compiled_hooks.zero import ZeroOptimizer
+    from passes.testing import fake_process_group
+
+    fake_process_group(world_size)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    return ZeroOptimizer(params, optimizer, shard_buckets=shard_buckets, lr=0.1, **kw)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import compiled_hooks as ch
+import passes
 from compiled_hooks.zero import ZeroOptimizer, assign_whole_parameters, hook_with_zero_step, hook_with_zero_step_interleaved
 from tests.ranks import run_ranks
 
@@ -53,12 +54,18 @@ def reference(world_size, opt_name):
     return history, opt.state_dict()
 
 
-def zero_worker(rank, world_size, configs, compiled):
+def zero_worker(rank, world_size, configs, compiler=None):
     """For each (optimizer, schedule, shard_buckets): parameters after each step, state bytes,
-    and (compiled) the code of every graph Dynamo captured and the graph breaks."""
+    and when compiled (``compiler``: "aot_eager", or "inductor" with the default pipeline and
+    shard_weight_update installed) the code of every graph Dynamo captured, the graph breaks
+    and what the passes did."""
+    compiled = compiler is not None
     if compiled:
         torch._dynamo.config.optimize_ddp = "python_reducer"
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+        compile_fn = torch._dynamo.lookup_backend(compiler)
+        # a cache hit would skip the passes, whose counters the tests read
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
     out = {}
     for opt_name, schedule, shard in configs:
         torch._dynamo.reset()
@@ -67,7 +74,7 @@ def zero_worker(rank, world_size, configs, compiled):
 
         def backend(gm, example_inputs):
             codes.append(gm.code)
-            return aot_eager(gm, example_inputs)
+            return compile_fn(gm, example_inputs)
         net = _net()
         cls, kw = OPTIMIZERS[opt_name]
         zero = ZeroOptimizer(net.parameters(), cls, shard_buckets=shard, **kw)
@@ -76,18 +83,20 @@ def zero_worker(rank, world_size, configs, compiled):
                                SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard))
         model = torch.compile(ddp, backend=backend) if compiled else ddp
         history = []
-        for step in range(STEPS):
-            zero.zero_grad()
-            if compiled:
-                with ch.compiled_autograd(backend=backend):
+        with passes.install(passes.default_pipeline(shard_weight_update=True)):
+            for step in range(STEPS):
+                zero.zero_grad()
+                if compiled:
+                    with ch.compiled_autograd(backend=backend):
+                        _loss(model, *_batch(rank, step)).backward()
+                else:
                     _loss(model, *_batch(rank, step)).backward()
-            else:
-                _loss(model, *_batch(rank, step)).backward()
-            history.append([p.detach().clone() for p in net.parameters()])
+                history.append([p.detach().clone() for p in net.parameters()])
         out[(opt_name, schedule, shard)] = dict(
             history=history, state_bytes=zero.state_bytes(), state_dict=zero.state_dict(),
             total=sum(p.numel() for p in net.parameters()), largest=max(p.numel() for p in net.parameters()),
             codes=codes, breaks=dict(torch._dynamo.utils.counters["graph_break"]),
+            passes=dict(torch._dynamo.utils.counters["passes"]),
         )
     return out
 
@@ -122,11 +131,11 @@ def check(outcomes, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_eager_ddp_matches_unsharded_optimizer(world_size):
-    check(run_ranks(zero_worker, world_size, ALL, False, timeout=300), world_size)
+    check(run_ranks(zero_worker, world_size, ALL, timeout=300), world_size)
 
 
 def test_compiled_ddp_matches_unsharded_optimizer():
-    outcomes = run_ranks(zero_worker, 2, ALL, True, timeout=600)
+    outcomes = run_ranks(zero_worker, 2, ALL, "aot_eager", timeout=600)
     check(outcomes, 2)
     for key, got in outcomes[0].items():
         assert got["breaks"] == {}, (key, got["breaks"])
@@ -141,3 +150,18 @@ def test_whole_parameter_assignment_is_balanced():
     owner, offset, load = assign_whole_parameters([5, 100, 7, 60, 40], 2)
     assert load == [107, 105] and owner == [1, 0, 0, 1, 1]
     assert (offset[1], offset[2], offset[3], offset[4], offset[0]) == (0, 100, 0, 60, 100)
+
+
+def test_inductor_with_the_passes_matches_unsharded_optimizer():
+    """Real Inductor compiles with the ZeRO passes installed: the schedule pass ran on both, and
+    with shard_buckets the all_reduce + broadcasts became reduce_scatter + all_gather."""
+    configs = [("adam", "interleaved", True), ("sgd_momentum", "after_backward", False)]
+    outcomes = run_ranks(zero_worker, 2, configs, "inductor", timeout=600)
+    check(outcomes, 2)
+    for out in outcomes:
+        sharded, whole = out[configs[0]]["passes"], out[configs[1]]["passes"]
+        assert sharded.get("shard_weight_update: all_reduce read in own slice -> reduce_scatter") == 6, sharded
+        assert sharded.get("shard_weight_update: owner broadcasts -> all_gather") == 6, sharded
+        print("SUMMARY inductor ZeRO pass counters:", sharded, whole)
+        assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 6, sharded
+        assert whole.get("interleave_zero_broadcasts: update placed after its gradient") == 6, whole

@@ -1,0 +1,227 @@
+"""interleave_zero_broadcasts and shard_weight_update on traced ZeRO steps (fake process group):
+snapshots of the schedule, idempotence, numerics (simulated collectives) and what is left alone."""
+
+import torch
+
+from passes import interleave_zero_broadcasts, shard_weight_update
+from passes.testing import graph_str, trace
+from passes.verify import check_rewrite, copy_graph
+from tests.graphs import zero_optimizer, zero_step_fn
+from tests.passcase import PassTestCase
+
+
+def traced_step(world_size=2, shapes=((3,), (2, 3)), interleaved=True, shard_buckets=False, kind="fp32",
+                optimizer=torch.optim.SGD, **kw):
+    zero = zero_optimizer(world_size, shapes, optimizer, shard_buckets=shard_buckets, **kw)
+    fn, args = zero_step_fn(zero, kind, interleaved)
+    gm = trace(fn, *args(), world_size=world_size)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def schedule(gm):
+    """The communication schedule: collectives, waits (what they wait for) and parameter
+    write-backs, one per line; ``update`` marks where an update's last op (its broadcast
+    input) is computed."""
+    lines = []
+    for n in gm.graph.nodes:
+        target = getattr(n.target, "__name__", str(n.target))
+        users = [u.target for u in n.users]
+        if n.op != "call_function":
+            continue
+        if "c10d" in str(n.target) or target.startswith("copy_"):
+            lines.append(graph_str_line(gm, n))
+        elif any(getattr(u, "__name__", "").startswith("broadcast") or "all_gather" in str(u) for u in users):
+            lines.append(f"update -> {n.name}")
+    return "\n".join(lines)
+
+
+def graph_str_line(gm, node):
+    for line in graph_str(gm).splitlines():
+        if line.startswith(f"{node.name}:"):
+            return line
+    raise KeyError(node.name)
+
+
+class TestInterleave(PassTestCase):
+    def test_interleaved_updates_follow_their_gradient(self):
+        gm = traced_step(interleaved=True)
+        before = copy_graph(gm.graph)
+        self.assertExpectedInline(schedule(gm), """\
+all_reduce: f32[2, 3] = c10d.all_reduce(div, 'sum', group(size=2))
+wait_tensor: f32[2, 3] = c10d.wait_tensor(all_reduce)
+update -> sub
+broadcast: f32[2, 3] = c10d.broadcast(sub, 0, group(size=2))
+wait_tensor_1: f32[2, 3] = c10d.wait_tensor(broadcast)
+all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
+wait_tensor_2: f32[3] = c10d.wait_tensor(all_reduce_1)
+update -> sub_1
+broadcast_1: f32[3] = c10d.broadcast(sub_1, 1, group(size=2))
+wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
+copy_: f32[3] = aten.copy_(arg2_1, wait_tensor_3)
+copy__1: f32[2, 3] = aten.copy_(arg3_1, wait_tensor_1)
+copy__2: f64[2] = aten.copy_(arg4_1, select_scatter_1)""")
+        self.assertRewrites(gm, interleave_zero_broadcasts)
+        self.assertExpectedInline(schedule(gm), """\
+all_reduce: f32[2, 3] = c10d.all_reduce(div, 'sum', group(size=2))
+wait_tensor: f32[2, 3] = c10d.wait_tensor(all_reduce)
+update -> sub
+broadcast: f32[2, 3] = c10d.broadcast(sub, 0, group(size=2))
+all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
+wait_tensor_2: f32[3] = c10d.wait_tensor(all_reduce_1)
+update -> sub_1
+broadcast_1: f32[3] = c10d.broadcast(sub_1, 1, group(size=2))
+wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
+copy_: f32[3] = aten.copy_(arg2_1, wait_tensor_3)
+wait_tensor_1: f32[2, 3] = c10d.wait_tensor(broadcast)
+copy__1: f32[2, 3] = aten.copy_(arg3_1, wait_tensor_1)
+copy__2: f64[2] = aten.copy_(arg4_1, select_scatter_1)""")
+        check_rewrite("interleave_zero_broadcasts", before, gm.graph)
+
+    def test_after_backward_updates_follow_the_last_gradient(self):
+        gm = traced_step(interleaved=False)
+        before = copy_graph(gm.graph)
+        self.assertExpectedInline(schedule(gm), """\
+all_reduce: f32[2, 3] = c10d.all_reduce(div, 'sum', group(size=2))
+wait_tensor: f32[2, 3] = c10d.wait_tensor(all_reduce)
+all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
+wait_tensor_1: f32[3] = c10d.wait_tensor(all_reduce_1)
+update -> sub
+broadcast: f32[2, 3] = c10d.broadcast(sub, 0, group(size=2))
+wait_tensor_2: f32[2, 3] = c10d.wait_tensor(broadcast)
+update -> sub_1
+broadcast_1: f32[3] = c10d.broadcast(sub_1, 1, group(size=2))
+wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
+copy_: f32[3] = aten.copy_(arg2_1, wait_tensor_3)
+copy__1: f32[2, 3] = aten.copy_(arg3_1, wait_tensor_2)
+copy__2: f64[2] = aten.copy_(arg4_1, select_scatter_1)""")
+        self.assertRewrites(gm, interleave_zero_broadcasts)
+        self.assertExpectedInline(schedule(gm), """\
+all_reduce: f32[2, 3] = c10d.all_reduce(div, 'sum', group(size=2))
+wait_tensor: f32[2, 3] = c10d.wait_tensor(all_reduce)
+all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
+update -> sub
+broadcast: f32[2, 3] = c10d.broadcast(sub, 0, group(size=2))
+wait_tensor_1: f32[3] = c10d.wait_tensor(all_reduce_1)
+update -> sub_1
+broadcast_1: f32[3] = c10d.broadcast(sub_1, 1, group(size=2))
+wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
+copy_: f32[3] = aten.copy_(arg2_1, wait_tensor_3)
+wait_tensor_2: f32[2, 3] = c10d.wait_tensor(broadcast)
+copy__1: f32[2, 3] = aten.copy_(arg3_1, wait_tensor_2)
+copy__2: f64[2] = aten.copy_(arg4_1, select_scatter_1)""")
+        check_rewrite("interleave_zero_broadcasts", before, gm.graph)
+
+    def test_no_zero_broadcast_untouched(self):
+        gm = trace(lambda x: torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.broadcast(x * 2, 0, "0")) + 1, torch.ones(4), world_size=2)
+        text = graph_str(gm)
+        self.assertFalse(interleave_zero_broadcasts(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+
+class TestShardWeightUpdate(PassTestCase):
+    def test_all_reduce_and_broadcasts_become_reduce_scatter_and_all_gather(self):
+        gm = traced_step(shard_buckets=True, shapes=((3,),))
+        before = copy_graph(gm.graph)
+        self.assertExpectedInline(graph_str(gm), """\
+arg0_1: f32[3] = input
+arg1_1: f32[3] = input
+arg2_1: f64[1] = input
+sin: f32[3] = aten.sin(arg0_1)
+detach_copy: f32[3] = aten.detach_copy(sin)
+view: f32[3] = aten.view(detach_copy, [-1])
+constant_pad_nd: f32[4] = aten.constant_pad_nd(view, [0, 1], 0.0)
+div: f32[4] = aten.div(constant_pad_nd, 2.0)
+all_reduce: f32[4] = c10d.all_reduce(div, 'sum', group(size=2))
+wait_tensor: f32[4] = c10d.wait_tensor(all_reduce)
+select_copy: f64[] = aten.select_copy.int(arg2_1, 0, 0)
+add: f64[] = aten.add(select_copy, 1)
+select_scatter: f64[1] = aten.select_scatter(arg2_1, add, 0, 0)
+group_rank: i64[1] = compiled_hooks.group_rank('0', cpu)
+view_1: f32[3] = aten.view(arg1_1, [-1])
+constant_pad_nd_1: f32[4] = aten.constant_pad_nd(view_1, [0, 1], 0.0)
+view_2: f32[2, 2] = aten.view(constant_pad_nd_1, [2, 2])
+index: f32[1, 2] = aten.index(view_2, [group_rank])
+view_3: f32[2] = aten.view(index, [2])
+view_5: f32[2, 2] = aten.view(wait_tensor, [2, 2])
+index_1: f32[1, 2] = aten.index(view_5, [group_rank])
+view_6: f32[2] = aten.view(index_1, [2])
+mul: f32[2] = aten.mul(view_6, 0.1)
+sub: f32[2] = aten.sub(view_3, mul)
+broadcast: f32[2] = c10d.broadcast(sub, 0, group(size=2))
+wait_tensor_1: f32[2] = c10d.wait_tensor(broadcast)
+broadcast_1: f32[2] = c10d.broadcast(sub, 1, group(size=2))
+wait_tensor_2: f32[2] = c10d.wait_tensor(broadcast_1)
+cat: f32[4] = aten.cat([wait_tensor_1, wait_tensor_2])
+slice_copy: f32[3] = aten.slice_copy(cat, 0, 0, 3)
+copy_: f32[3] = aten.copy_(arg1_1, slice_copy)
+copy__1: f64[1] = aten.copy_(arg2_1, select_scatter)
+return None""")
+        self.assertRewrites(gm, shard_weight_update)
+        self.assertExpectedInline(graph_str(gm), """\
+arg0_1: f32[3] = input
+arg1_1: f32[3] = input
+arg2_1: f64[1] = input
+sin: f32[3] = aten.sin(arg0_1)
+detach_copy: f32[3] = aten.detach_copy(sin)
+view: f32[3] = aten.view(detach_copy, [-1])
+constant_pad_nd: f32[4] = aten.constant_pad_nd(view, [0, 1], 0.0)
+div: f32[4] = aten.div(constant_pad_nd, 2.0)
+reduce_scatter_tensor_default: f32[2] = c10d.reduce_scatter_tensor(div, 'sum', 2, group(size=2))
+wait_tensor_default: f32[2] = c10d.wait_tensor(reduce_scatter_tensor_default)
+select_copy: f64[] = aten.select_copy.int(arg2_1, 0, 0)
+add: f64[] = aten.add(select_copy, 1)
+select_scatter: f64[1] = aten.select_scatter(arg2_1, add, 0, 0)
+group_rank: i64[1] = compiled_hooks.group_rank('0', cpu)
+view_1: f32[3] = aten.view(arg1_1, [-1])
+constant_pad_nd_1: f32[4] = aten.constant_pad_nd(view_1, [0, 1], 0.0)
+view_2: f32[2, 2] = aten.view(constant_pad_nd_1, [2, 2])
+index: f32[1, 2] = aten.index(view_2, [group_rank])
+view_3: f32[2] = aten.view(index, [2])
+view_default: f32[1, 2] = aten.view(wait_tensor_default, [1, 2])
+view_6: f32[2] = aten.view(view_default, [2])
+mul: f32[2] = aten.mul(view_6, 0.1)
+sub: f32[2] = aten.sub(view_3, mul)
+all_gather_into_tensor_default: f32[4] = c10d.all_gather_into_tensor(sub, 2, group(size=2))
+wait_tensor_default_1: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default)
+slice_copy: f32[3] = aten.slice_copy(wait_tensor_default_1, 0, 0, 3)
+copy_: f32[3] = aten.copy_(arg1_1, slice_copy)
+copy__1: f64[1] = aten.copy_(arg2_1, select_scatter)
+return None""")
+        check_rewrite("shard_weight_update", before, gm.graph)
+
+    def test_collective_counts_and_numerics(self):
+        for world_size, kind in [(2, "fp32"), (4, "fp32"), (4, "bf16")]:
+            gm = traced_step(world_size, shapes=((5,), (3, 7), (2,)), shard_buckets=True, kind=kind,
+                             optimizer=torch.optim.Adam)
+            before = copy_graph(gm.graph)
+            count = lambda name: sum(name in str(n.target) for n in gm.graph.nodes)  # noqa: E731
+            self.assertEqual((count("all_reduce"), count("broadcast"), count("reduce_scatter"), count("all_gather")),
+                             (3, 3 * world_size, 0, 0))
+            self.assertTrue(shard_weight_update(gm.graph))
+            self.assertEqual((count("all_reduce"), count("broadcast"), count("reduce_scatter"), count("all_gather")),
+                             (0, 0, 3, 3))
+            check_rewrite("shard_weight_update", before, gm.graph)
+
+    def test_index_not_proven_to_be_this_rank_untouched(self):
+        def fn(x, idx):
+            w = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0"))
+            return w.view(2, 3)[idx]
+
+        gm = trace(fn, torch.ones(6), torch.zeros(1, dtype=torch.long), world_size=2)
+        text = graph_str(gm)
+        self.assertFalse(shard_weight_update(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_broadcasts_from_some_ranks_only_untouched(self):
+        def fn(y):
+            parts = [torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.broadcast(y, src, "0"))
+                     for src in (0, 0)]
+            return torch.cat(parts)
+
+        gm = trace(fn, torch.ones(3), world_size=2)
+        text = graph_str(gm)
+        self.assertFalse(shard_weight_update(gm.graph))
+        self.assertEqual(graph_str(gm), text)
