@@ -3,8 +3,8 @@
 Each case runs on 2 gloo ranks under a dispatch mode that counts c10d ops, with its own
 timeout; a case passes when every rank raised the expected type and message and issued no
 collective. The group stays usable afterwards (a final all_reduce agrees), so no rank is left
-diverged. Covers the hooks, their states, the DDP adapter, the passes, Pipeline, install and
-the tracing helper.
+diverged. Covers the hooks, their states, the DDP adapter, FSDP2 registration, the scaler, ZeRO, the
+passes, Pipeline, install and the tracing helper.
 """
 
 import functools
@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_hooks as ch
 import passes
+from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
 from tests.ranks import run_ranks
 
 
@@ -102,6 +103,37 @@ CASES = {
     "fsdp_hook_on_hsdp": (
         lambda g: ch.fsdp.register_comm_hook(_hsdp(), _state(g), ch.reduce_scatter_hook), NotImplementedError,
         "HSDP"),
+    "zero_several_param_groups": (
+        lambda g: ZeroOptimizer([{"params": [_param()]}, {"params": [_param()]}], torch.optim.SGD, lr=0.1),
+        ValueError, "several parameter groups are not supported"),
+    "zero_param_without_grad": (
+        lambda g: ZeroOptimizer([torch.zeros(2)], torch.optim.SGD, lr=0.1), ValueError, "does not require grad"),
+    "zero_unsupported_optimizer": (
+        lambda g: ZeroOptimizer([_param()], torch.optim.Adagrad, lr=0.1), TypeError,
+        "supports torch.optim.SGD, Adam and AdamW"),
+    "zero_amsgrad": (
+        lambda g: ZeroOptimizer([_param()], torch.optim.Adam, lr=0.1, amsgrad=True), ValueError,
+        "amsgrad=True\\) is not supported"),
+    "zero_bad_hyperparameter": (
+        lambda g: ZeroOptimizer([_param()], torch.optim.SGD, lr=-1.0), ValueError, "Invalid learning rate"),
+    "zero_wrong_gradient_shape": (
+        lambda g: _ddp_zero()[1].update(0, torch.zeros(3)), ValueError, "gradient of shape \\(3,\\)"),
+    "zero_hook_shard_buckets_mismatch": (
+        lambda g: hook_with_zero_step(ch.allreduce_hook, *_ddp_zero(), shard_buckets=True), ValueError,
+        "shard_buckets=True but the ZeroOptimizer was built with shard_buckets=False"),
+    "zero_hook_other_parameters": (
+        lambda g: hook_with_zero_step(ch.allreduce_hook, _ddp_zero()[0],
+                                      ZeroOptimizer([_param()], torch.optim.SGD, lr=0.1)),
+        ValueError, "exactly the DDP module's parameters"),
+    "zero_hook_with_reduce_scatter_hook": (
+        lambda g: hook_with_zero_step_interleaved(ch.reduce_scatter_hook, *_ddp_zero()), TypeError,
+        "hook must be callable as hook\\(state, grad\\)"),
+    "zero_hook_ddp_not_python_reducer": (
+        lambda g: _with_python_reducer_flag(lambda: hook_with_zero_step(ch.allreduce_hook, *_ddp_zero())),
+        ValueError, "built before torch._dynamo.config.optimize_ddp = 'python_reducer'"),
+    "zero_load_state_dict_other_model": (
+        lambda g: _ddp_zero()[1].load_state_dict({"state": {}, "param_groups": [{"params": [0, 1, 2]}]}),
+        ValueError, "expected one parameter group of 2 parameters"),
     "scaler_unscale_twice": (lambda g: _unscale_twice(), RuntimeError, "unscale_\\(\\) has already been called"),
     "scaler_unsupported_optimizer": (
         lambda g: _scaler_step(torch.optim.Adagrad), TypeError, "supports SGD, Adam, AdamW"),
@@ -161,6 +193,27 @@ def _scaler_step(opt_cls):
     scaler.step(opt_cls(net.parameters()))
 
 
+def _param():
+    return torch.nn.Parameter(torch.zeros(2))
+
+
+@functools.lru_cache(maxsize=None)
+def _ddp_zero():
+    """A DDP (C++ reducer; building it communicates, so it is built before the cases run) and
+    a ZeroOptimizer over its parameters."""
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    return ddp, ZeroOptimizer(ddp.module.parameters(), torch.optim.SGD, lr=0.1)
+
+
+def _with_python_reducer_flag(fn):
+    before = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    try:
+        return fn()
+    finally:
+        torch._dynamo.config.optimize_ddp = before
+
+
 def _install_over_foreign():
     torch._inductor.config.post_grad_custom_post_pass = print
     try:
@@ -184,7 +237,7 @@ def _case_timeout(signum, frame):
 def misuse_worker(rank, world_size):
     group = dist.group.WORLD
     results = {}
-    _traced(), _sharded(), _unscaled_once()
+    _traced(), _sharded(), _unscaled_once(), _ddp_zero()
     signal.signal(signal.SIGALRM, _case_timeout)
     for name, (call, _, _) in CASES.items():
         counter = CountCollectives()

@@ -78,3 +78,17 @@ def test_verify_mode_bypasses_the_cache_and_reads_the_environment(monkeypatch):
     assert not passes.default_pipeline().verify
     with pytest.raises(ValueError, match="pass verify= to the Pipeline"):
         passes.install(passes.default_pipeline(), verify=True)
+
+
+def test_nan_in_the_same_places_is_no_mismatch():
+    """Random inputs make NaNs (sqrt of a negative): the same NaNs before and after are equal,
+    a NaN that appears only after the rewrite is not."""
+    from passes.verify import check_rewrite, copy_graph
+
+    gm = trace(lambda x: torch.sqrt(x) * 2, torch.ones(64), world_size=2)
+    assert check_rewrite("identity", copy_graph(gm.graph), gm.graph)
+    after = copy_graph(gm.graph)
+    (mul,) = [n for n in after.nodes if n.target is torch.ops.aten.mul.Tensor]
+    mul.args = (mul.args[0], float("nan"))
+    with pytest.raises(PassVerificationError, match="non-finite values differ"):
+        check_rewrite("nan_maker", gm.graph, after)
