@@ -35,8 +35,9 @@ reduced. ``passes.interleave_zero_broadcasts`` schedules the compiled graph acco
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -140,43 +141,87 @@ class ZeroOptimizer:
         off = self._offset[i]
         return {k: buf[off:off + p.numel()].view_as(p) for k, buf in self._buffers.items()}
 
-    def padded(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (shaped like parameter ``i``) flat and zero-padded to ``world_size`` equal
-        slices (``shard_buckets=True``)."""
-        return F.pad(t.reshape(-1), (0, self.world_size * self._chunks[i] - t.numel()))
+    def _rank(self) -> torch.Tensor:
+        return group_rank(self._group_name, self._device)
+
+    def _own_slices(self, items: list[tuple[int, torch.Tensor]], flat: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's slice of every member of a rank-major bucket ``flat`` (see :meth:`reduce_bucket`)."""
+        n, chunks = self.world_size, [self._chunks[i] for i, _ in items]
+        mine = flat.view(n, sum(chunks)).index_select(0, self._rank()).view(-1)
+        return list(mine.split(chunks))
+
+    def _rank_major(self, items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        n = self.world_size
+        parts = [F.pad(t.reshape(-1), (0, n * self._chunks[i] - t.numel())).view(n, -1) for i, t in items]
+        return torch.cat(parts, dim=1).reshape(-1)
+
+    def reduce_bucket(self, hook: Callable[..., Any], state: Any, items: list[tuple[int, torch.Tensor]]):
+        """Average a bucket of gradients ``[(i, grad)]`` with one ``hook(state, flat)`` call and
+        return ``[(i, g)]`` as :meth:`update_bucket` takes them: whole gradients (written back
+        into ``grad``), or with ``shard_buckets`` this rank's slices (``grad`` left as it is) (the bucket is laid out rank-major, every member
+        padded to ``world_size`` equal slices, so a rank's slice of the bucket holds its slice of
+        every member)."""
+        if self.shard_buckets:
+            flat = self._rank_major(items)
+            hook(state, flat)
+            return list(zip((i for i, _ in items), self._own_slices(items, flat)))
+        flat = torch.cat([g.reshape(-1) for _, g in items])
+        hook(state, flat)
+        out = []
+        for (i, grad), avg in zip(items, flat.split([g.numel() for _, g in items])):
+            grad.copy_(avg.view_as(grad))  # as DDP: param.grad holds the average afterwards
+            out.append((i, grad))
+        return out
 
     @torch.no_grad()
-    def update(self, i: int, grad: torch.Tensor) -> None:
-        """Apply the optimizer to parameter ``i`` with the (already averaged) ``grad`` and make
-        the result identical on every rank. Traceable; the same graph on every rank. With
-        ``shard_buckets=True``, ``grad`` may also be :meth:`padded` (only this rank's slice of
-        it is read)."""
-        p = self.params[i]
-        if grad.shape != p.shape and not (self.shard_buckets and grad.shape == (self.world_size * self._chunks[i],)):
-            raise ValueError(f"ZeroOptimizer: gradient of shape {tuple(grad.shape)} for parameter {i} of shape {tuple(p.shape)}")
-        step = self._steps[i] + 1
-        self._steps[i] = step
-        state = self._state_views(i)
-        rule = UPDATES[self.optimizer_class]
-        rank = group_rank(self._group_name, self._device)
+    def update_bucket(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        """Apply the optimizer to a bucket of parameters ``[(i, averaged grad)]`` (with
+        ``shard_buckets``, this rank's slices, as :meth:`reduce_bucket` gives them) and make
+        the results identical on every rank: one broadcast per owner in the bucket (whole
+        parameters) or one from every rank (``shard_buckets``). Traceable; the same graph on
+        every rank."""
+        rule, rank = UPDATES[self.optimizer_class], self._rank()
+        new_values = []
+        for i, g in items:
+            p = self.params[i]
+            step = self._steps[i] + 1
+            self._steps[i] = step
+            state = self._state_views(i)
+            if self.shard_buckets:
+                mine = self._own_slices([(i, p)], self._rank_major([(i, p.detach())]))[0]
+                new, new_state = rule(mine, g.to(p.dtype), state, step, self.hp)
+                for k, t in state.items():
+                    t.copy_(new_state[k])
+            else:
+                new, new_state = rule(p, g.to(p.dtype), state, step, self.hp)
+                owned = (rank == self.owner[i]).reshape(())
+                for k, t in state.items():
+                    t.copy_(torch.where(owned, new_state[k], t))
+            new_values.append(new.reshape(-1))
         if self.shard_buckets:
-            n, c = self.world_size, self._chunks[i]
+            flat = torch.cat(new_values)
+            gathered = torch.cat([fcol.broadcast(flat, src, self.process_group) for src in range(self.world_size)])
+            gathered = gathered.view(self.world_size, -1)
+            offset = 0
+            for (i, _), new in zip(items, new_values):
+                p = self.params[i]
+                p.copy_(gathered[:, offset:offset + new.numel()].reshape(-1)[: p.numel()].view_as(p))
+                offset += new.numel()
+            return
+        for owner in sorted({self.owner[i] for i, _ in items}):
+            members = [(i, new) for (i, _), new in zip(items, new_values) if self.owner[i] == owner]
+            flat = fcol.broadcast(torch.cat([new for _, new in members]), owner, self.process_group)
+            for (i, _), part in zip(members, flat.split([new.numel() for _, new in members])):
+                self.params[i].copy_(part.view_as(self.params[i]))
 
-            def mine(t: torch.Tensor) -> torch.Tensor:
-                flat = t if t.dim() == 1 and t.numel() == n * c else self.padded(i, t)
-                return flat.view(n, c).index_select(0, rank).view(c)
-
-            new_mine, new_state = rule(mine(p), mine(grad.to(p.dtype)), state, step, self.hp)
-            for k, t in state.items():
-                t.copy_(new_state[k])
-            parts = [fcol.broadcast(new_mine, src, self.process_group) for src in range(n)]
-            p.copy_(torch.cat(parts)[: p.numel()].view_as(p))
-        else:
-            new_p, new_state = rule(p, grad.to(p.dtype), state, step, self.hp)
-            owned = (rank == self.owner[i]).reshape(())
-            for k, t in state.items():
-                t.copy_(torch.where(owned, new_state[k], t))
-            p.copy_(fcol.broadcast(new_p.contiguous(), self.owner[i], self.process_group))
+    def update(self, i: int, grad: torch.Tensor) -> None:
+        """:meth:`update_bucket` of the one parameter ``i`` with its averaged gradient."""
+        p = self.params[i]
+        if grad.shape != p.shape:
+            raise ValueError(f"ZeroOptimizer: gradient of shape {tuple(grad.shape)} for parameter {i} of shape {tuple(p.shape)}")
+        if self.shard_buckets:
+            grad = self._own_slices([(i, grad)], self._rank_major([(i, grad)]))[0]
+        self.update_bucket([(i, grad)])
 
     def step(self) -> None:
         """Update every parameter that has a gradient, from ``param.grad`` as it is (average the
@@ -255,30 +300,51 @@ class ZeroOptimizer:
 # -- the hooks -----------------------------------------------------------------------------
 
 class ZeroStep:
-    """The DDP-independent core of the ZeRO hooks: :meth:`reduce` averages parameter ``i``'s
-    gradient with ``hook(state, grad)`` and either updates at once (``interleaved``) or queues
-    the update for :meth:`finish`."""
+    """The DDP-independent core of the ZeRO hooks. Gradients arrive one by one (:meth:`add`, in
+    gradient-ready order) and are packed into buckets of ``bucket_bytes`` (the first of
+    ``first_bucket_bytes``, as DDP does); a full bucket is averaged with one ``hook`` call, then
+    updated and broadcast at once (``interleaved``) or after the last one (:meth:`finish`).
+    Bucket boundaries depend only on sizes and order, so every rank makes the same ones."""
 
-    def __init__(self, hook: Callable[..., Any], zero: ZeroOptimizer, interleaved: bool):
+    def __init__(self, hook: Callable[..., Any], zero: ZeroOptimizer, interleaved: bool,
+                 bucket_bytes: int = 25 * 1024 * 1024, first_bucket_bytes: int = 1024 * 1024):
         self.hook, self.zero, self.interleaved = hook, zero, interleaved
-        self.pending: list[tuple[int, torch.Tensor]] = []
+        self.caps = (first_bucket_bytes, bucket_bytes)
+        self.current: list[tuple[int, torch.Tensor]] = []
+        self.reduced: list[list[tuple[int, torch.Tensor]]] = []  # buckets waiting for their update
+        self.buckets = 0  # closed in this backward
+        self.started = False  # a backward is in progress (the final callback is queued)
 
-    def reduce(self, state: Any, i: int, grad: torch.Tensor, averaged: bool = False) -> None:
-        """``averaged``: ``grad`` was already averaged (a whole DDP bucket at once)."""
-        zero = self.zero
-        if zero.shard_buckets:  # only this rank's slice of the average is needed: grad stays local
-            grad = zero.padded(i, grad.detach())
+    def _bytes(self, items) -> int:
+        if self.zero.shard_buckets:
+            return sum(self.zero.world_size * self.zero._chunks[i] * g.element_size() for i, g in items)
+        return sum(g.numel() * g.element_size() for _, g in items)
+
+    def add(self, state: Any, i: int, grad: torch.Tensor) -> None:
+        self.current.append((i, grad))
+        if self._bytes(self.current) >= self.caps[min(self.buckets, 1)]:
+            self.close(state)
+
+    def close(self, state: Any, items: Optional[list] = None, averaged: bool = False) -> None:
+        """Reduce the current bucket (or ``items``; ``averaged``: whole gradients that were
+        already averaged) and update it now (interleaved) or keep it for :meth:`finish`."""
+        items, self.current = (self.current, []) if items is None else (items, self.current)
+        if not items:
+            return
+        self.buckets += 1
         if not averaged:
-            self.hook(state, grad)
+            items = self.zero.reduce_bucket(self.hook, state, items)
         if self.interleaved:
-            zero.update(i, grad)
+            self.zero.update_bucket(items)
         else:
-            self.pending.append((i, grad))
+            self.reduced.append(items)
 
-    def finish(self) -> None:
-        for i, g in self.pending:
-            self.zero.update(i, g)
-        self.pending.clear()
+    def finish(self, state: Any) -> None:
+        """End of backward: reduce what is left, then run the updates still waiting."""
+        self.close(state)
+        for items in self.reduced:
+            self.zero.update_bucket(items)
+        self.reduced, self.buckets, self.started = [], 0, False
 
 
 def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
@@ -303,25 +369,27 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
         raise ValueError(f"{name}: this DDP was built before torch._dynamo.config.optimize_ddp = 'python_reducer' was "
                          "set, so compiled autograd cannot trace its hooks; build it with compile_ddp or after "
                          "setting the flag")
-    core = ZeroStep(hook, zero, interleaved)
+    config = getattr(ddp, "_bucket_config", None)
+    core = ZeroStep(hook, zero, interleaved, bucket_bytes=ddp.bucket_bytes_cap,
+                    first_bucket_bytes=getattr(config, "first_bucket_bytes_cap", ddp.bucket_bytes_cap))
 
     def zero_hook(state, bucket):
         if isinstance(bucket, tuple):  # python reducer: (param.grad, param), once per parameter
             grad, param = bucket
-            if not interleaved and not core.pending:  # runs once backward is done
-                Variable._execution_engine.queue_callback(core.finish)
-            core.reduce(state, zero.index_of(param), grad)
+            if not core.started:  # flush the last bucket (and, after backward, update) at the end
+                core.started = True
+                Variable._execution_engine.queue_callback(functools.partial(core.finish, state))
+            core.add(state, zero.index_of(param), grad)
             return None
-        buffer = bucket.buffer()  # C++ reducer: one bucket of flat gradients
+        # C++ reducer: DDP's bucket is ours; its buffer holds the flat gradients
+        buffer, params = bucket.buffer(), bucket.parameters()
+        views = list(buffer.split([p.numel() for p in params]))
+        items = [(zero.index_of(p), v.view_as(p)) for p, v in zip(params, views)]
         if not zero.shard_buckets:
-            hook(state, buffer)
-        offset = 0
-        for p in bucket.parameters():
-            core.reduce(state, zero.index_of(p), buffer[offset:offset + p.numel()].view_as(p),
-                        averaged=not zero.shard_buckets)
-            offset += p.numel()
-        if bucket.is_last() and not interleaved:
-            core.finish()
+            hook(state, buffer)  # averaged in place: DDP writes it back to the gradients
+        core.close(state, items, averaged=not zero.shard_buckets)
+        if bucket.is_last():
+            core.finish(state)
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buffer)
         return fut

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
 from .fold_collective_scaling import fold_collective_scaling
@@ -71,6 +72,10 @@ class Pipeline(CustomGraphPass):
         """Run every pass; True when any changed the graph (which is then linted). With
         ``verify``, every change is checked by :func:`passes.verify.check_rewrite`."""
         check_graph("Pipeline", graph)
+        # Inductor's own DDP pass (schedule_comm_wait) can hand over a graph whose nodes are not
+        # in topological order (Inductor sorts only after the custom pass); sort it first, the
+        # same stable way, so the passes see a valid order.
+        stable_topological_sort(graph)
         changed = False
         for p in self.passes:
             before = copy_graph(graph) if self.verify else None

@@ -7,8 +7,9 @@ rebuilds the parameter from every owner's broadcast. Two independent rewrites, e
 its own:
 
 1. *own slice of an all_reduce*: ``index(view(end, [N, c]), [group_rank(G)])`` where ``end``
-   is an all_reduce over ``G`` (``N`` ranks, sum or avg) followed only by the hook's
-   elementwise scale and cast ops, and nothing else reads the all_reduce::
+   is an all_reduce over ``G`` (``N`` ranks, sum or avg, on a flat ``N * c`` buffer) followed
+   only by the hook's elementwise scale and cast ops and reshapes, and nothing else reads the
+   all_reduce::
 
        ar = all_reduce(x, 'sum', G); w = wait(ar); d = div(w, 2)       rs = reduce_scatter(x, 'sum', N, G)
        v = view(d, [N, c]); mine = index(v, [group_rank(G)])     ->    w = wait(rs); d = div(w, 2)
@@ -49,12 +50,12 @@ def _own_slice(index: Node):
     if not is_op(view, VIEW_OPS) or len(view.users) != 1:
         return None
     node = view.args[0]
-    while not is_op(node, (WAIT,)):  # walk back over the hook's elementwise post ops
-        if not (is_scale(node) or is_op(node, CAST_OPS)) or len(node.users) != 1:
+    while not is_op(node, (WAIT,)):  # walk back over the hook's elementwise ops and reshapes
+        if not (is_scale(node) or is_op(node, CAST_OPS + VIEW_OPS)) or len(node.users) != 1:
             return None
         node = node.args[0]
     chain = match_chain(node.args[0])
-    # the chain runs wait -> scales/casts -> this view; nothing else reads the all_reduce
+    # the chain runs wait -> scales/casts/reshapes -> this view; nothing else reads the all_reduce
     if chain is None or chain.problem or not is_op(chain.collective, (ALL_REDUCE,)) or chain.end is not view:
         return None
     info = group_info(chain.group_name)
@@ -72,8 +73,9 @@ def _rewrite_own_slice(graph: Graph, index: Node, chain, n: int) -> None:
     with graph.inserting_before(chain.wait):
         value = new_node(graph, WAIT, (rs,))
     with graph.inserting_before(index):
-        for op in chain.post[:-1]:  # the scales and casts, on the slice
-            value = new_node(graph, op.target, (value, *op.args[1:]), dict(op.kwargs))
+        for op in chain.post:  # the scales and casts, on the slice (elementwise: they commute)
+            if not is_op(op, VIEW_OPS):
+                value = new_node(graph, op.target, (value, *op.args[1:]), dict(op.kwargs))
         mine = new_node(graph, aten.view.default, (value, list(val(index).shape)))
     index.replace_all_uses_with(mine)
     for dead in [index, *reversed(chain.post), chain.wait, chain.collective]:

@@ -53,11 +53,12 @@ def ddp_args(shapes, seed: int = 0):
     return tuple(torch.randn(s, generator=g) for s in shapes)
 
 
-def zero_step_fn(zero, kind: str, interleaved: bool):
+def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
     """``fn(*grads, *params, *state)``: the ZeRO hooks' backward for ``zero`` (a ZeroOptimizer
-    built on the fake group): each gradient reduced by the ``kind`` hook in gradient-ready
-    order, each parameter updated and broadcast, either as its gradient is reduced or after
-    the last one. The optimizer's tensors are rebound to the traced inputs."""
+    built on the fake group): gradients reduced by the ``kind`` hook in gradient-ready order in
+    buckets of ``bucket_bytes`` (default: one parameter each), each bucket updated and broadcast
+    either as soon as it is reduced or after the last one. The optimizer's tensors are rebound
+    to the traced inputs."""
     from compiled_hooks.zero import ZeroStep
 
     hook, _, state_cls = HOOKS[kind]
@@ -72,10 +73,10 @@ def zero_step_fn(zero, kind: str, interleaved: bool):
         for d in owned:
             for k in d:
                 d[k] = flat_state.pop(0)
-        core = ZeroStep(hook, zero, interleaved)
+        core = ZeroStep(hook, zero, interleaved, bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes)
         for i in reversed(range(n)):
-            core.reduce(state, i, torch.sin(grads[i]))  # the gradient's last backward op
-        core.finish()
+            core.add(state, i, torch.sin(grads[i]))  # the gradient's last backward op
+        core.finish(state)
         return None
 
     def args(seed: int = 0):

@@ -2,10 +2,14 @@
 
 Families: one hook call; a DDP-shaped backward (many gradients, random shapes, a user's
 scale in front of the hook, an intermediate that is also returned, part of the gradients
-reduced in a subgroup); a ZeRO-shaped step (average, update, broadcast from an owner); and
-hand-written chains (random constant factors, casts, views, sum or avg, all_reduce or
-reduce_scatter). Each case is ``(description, fn, args, world_size)``; ``fn`` builds its
-process-group state when called, after the fake group of ``world_size`` exists.
+reduced in a subgroup); a ZeRO-shaped step (average, update, broadcast from an owner); the
+ZeRO hooks' step over a real ``ZeroOptimizer`` (SGD-momentum, Adam or AdamW, whole parameters or
+``shard_buckets``, interleaved or after backward, fp32 or bf16 hook, buckets of one parameter,
+a few, or all); and hand-written chains
+(random constant factors, casts, views, sum or avg, all_reduce or reduce_scatter). Each case is
+``(description, make, args, world_size)``; ``make()`` builds the function and its process-group
+state, after the fake group of ``world_size`` exists; ``args`` is a tuple, or a callable giving
+one that is called after ``make()``.
 """
 
 from __future__ import annotations
@@ -138,7 +142,26 @@ def chain_case(rng: random.Random, ws: int) -> Case:
     return desc, make, (_tensor(rng, (numel,)),), ws
 
 
-FAMILIES = [hook_case, ddp_case, zero_case, chain_case]
+def zero_optimizer_case(rng: random.Random, ws: int) -> Case:
+    from tests.graphs import zero_optimizer, zero_step_fn
+
+    optimizer, kw = rng.choice([(torch.optim.SGD, dict(momentum=0.9)), (torch.optim.Adam, {}),
+                                (torch.optim.AdamW, dict(weight_decay=0.1))])
+    shapes = [_shape(rng) for _ in range(rng.randint(1, 5))]
+    shard, interleaved, kind = rng.random() < 0.5, rng.random() < 0.5, rng.choice(["fp32", "bf16"])
+    built = {}
+
+    def make():
+        zero = zero_optimizer(ws, shapes, optimizer, shard_buckets=shard, **kw)
+        built["fn"], built["args"] = zero_step_fn(zero, kind, interleaved, bucket_bytes=rng.choice([1, 100, 10**6]))
+        return built["fn"]
+
+    desc = (f"ZeroOptimizer {optimizer.__name__} shard_buckets={shard} interleaved={interleaved} {kind} "
+            f"params={len(shapes)}")
+    return desc, make, lambda: built["args"](rng.randint(0, 1000)), ws
+
+
+FAMILIES = [hook_case, ddp_case, zero_case, zero_optimizer_case, chain_case]
 
 
 def random_case(rng: random.Random) -> Case:

@@ -34,3 +34,20 @@ def test_train_fsdp2_example():
     assert proc.stdout.count("bf16_compress_hook: loss") == 4
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and "(OK" in final[0], proc.stdout
+
+
+def test_train_zero_example_sharded_with_verified_passes():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_zero.py"), "--steps", "4", "--shard-buckets"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("step ") == 4
+    passes_line = next(line for line in proc.stdout.splitlines() if line.startswith("passes: "))
+    for done in ("-> reduce_scatter", "-> all_gather", "interleave_zero_broadcasts: verified",
+                 "shard_weight_update: verified"):
+        assert done in passes_line, passes_line
+    assert "identical on all ranks: True" in proc.stdout
+    final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
+    assert len(final) == 1 and "(OK" in final[0], proc.stdout

@@ -78,3 +78,23 @@ def test_fx_graph_cache_entries_follow_pipeline_options():
 def test_package_exports():
     assert set(passes.__all__) >= {"fold_collective_scaling", "fuse_collective_casts", "Pipeline",
                                    "default_pipeline", "install", "testing"}
+
+
+def test_an_unsorted_graph_is_sorted_before_the_passes():
+    """Inductor's schedule_comm_wait can hand the custom pass nodes out of topological order
+    (it sorts only afterwards); the pipeline sorts first, so its rewrites lint clean."""
+    from passes.testing import trace
+    from tests.graphs import ddp_args, ddp_fn
+
+    fake_process_group(4)  # the hook's state reads the group
+    gm = trace(ddp_fn("bf16"), *ddp_args([(8,), (4, 2), (3,)]), world_size=4)
+    nodes = list(gm.graph.nodes)
+    first_wait = next(n for n in nodes if "wait_tensor" in str(n.target))
+    first_user = next(iter(first_wait.users))
+    first_wait.append(first_user)  # valid: right after its input ...
+    last = [n for n in gm.graph.nodes if n.op != "output"][-1]
+    last.append(first_wait)        # ... now the wait comes after its user
+    with pytest.raises(RuntimeError, match="used before it has been defined"):
+        gm.graph.lint()
+    assert default_pipeline().run(gm.graph)
+    gm.graph.lint()

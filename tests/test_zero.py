@@ -160,8 +160,9 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
     check(outcomes, 2)
     for out in outcomes:
         sharded, whole = out[configs[0]]["passes"], out[configs[1]]["passes"]
-        assert sharded.get("shard_weight_update: all_reduce read in own slice -> reduce_scatter") == 6, sharded
-        assert sharded.get("shard_weight_update: owner broadcasts -> all_gather") == 6, sharded
+        # DDP's 0.001 MB buckets: 3 buckets of the 6 parameters
+        assert sharded.get("shard_weight_update: all_reduce read in own slice -> reduce_scatter") == 3, sharded
+        assert sharded.get("shard_weight_update: owner broadcasts -> all_gather") == 3, sharded
         print("SUMMARY inductor ZeRO pass counters:", sharded, whole)
-        assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 6, sharded
-        assert whole.get("interleave_zero_broadcasts: update placed after its gradient") == 6, whole
+        assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 3, sharded
+        assert whole.get("interleave_zero_broadcasts: update placed after its gradient") == 4, whole  # 4 owner broadcasts

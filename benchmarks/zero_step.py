@@ -1,0 +1,176 @@
+"""A whole training step with a sharded optimizer: torch's ZeRO vs this project's compiled ZeRO.
+
+    python benchmarks/zero_step.py              # 2 CPU ranks over gloo
+
+Same model (the main example's transformer) and batch for every configuration; their steps are
+interleaved (one step of each in turn, the order rotated every step) so that machine noise hits
+all of them alike. A step is forward + backward + AdamW step, gradients averaged over the
+ranks. Reported per configuration: median step time on rank 0, its ratio to the first
+configuration, collectives per step (Inductor's output code for the compiled ones),
+optimizer-state bytes per rank, and how far the parameters ended from the first
+configuration's (relative to the largest parameter; all train the same model on the same data):
+
+- compiled DDP + AdamW: unsharded optimizer (every rank holds all state), step after backward;
+- eager DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)``: its overlap mode
+  (``overlap_with_ddp=True`` with ``ddp_zero_hook``) needs NCCL, so it steps after backward;
+- compiled ZeRO (``compiled_hooks.zero``), the step inside the compiled backward, with the
+  default pipeline (which schedules it with ``interleave_zero_broadcasts``), in both schedules,
+  and with ``shard_buckets=True`` without and with ``shard_weight_update``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train_ddp import TinyTransformer, batch, loss_fn  # noqa: E402
+
+import compiled_hooks as ch  # noqa: E402
+import passes  # noqa: E402
+from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved  # noqa: E402
+
+LR = 1e-3
+CONFIGS = [
+    "compiled DDP + AdamW (unsharded)",
+    "eager DDP + torch ZeroRedundancyOptimizer",
+    "compiled ZeRO, after backward",
+    "compiled ZeRO, interleaved",
+    "compiled ZeRO, interleaved, shard_buckets",
+    "compiled ZeRO, interleaved, shard_buckets + shard_weight_update",
+]
+COLLECTIVE = re.compile(r"_c10d_functional\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|broadcast)\w*"
+                        r"\.default\(")
+
+
+def _state_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+
+
+class Config:
+    def __init__(self, name: str, size: dict, tokens, targets):
+        torch.manual_seed(0)
+        self.name, self.net, self.tokens, self.targets = name, TinyTransformer(**size), tokens, targets
+        self.times: list[float] = []
+        self.compiled = name.startswith("compiled")
+        self.pipeline = None
+        self.zero = self.opt = None
+        if name.startswith("eager"):
+            self.model = DistributedDataParallel(self.net)
+            self.opt = ZeroRedundancyOptimizer(self.net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        elif "ZeRO" in name:
+            shard = "shard_buckets" in name
+            self.zero = ZeroOptimizer(self.net.parameters(), torch.optim.AdamW, shard_buckets=shard, lr=LR)
+            ddp, self.model = ch.compile_ddp(self.net)
+            make = hook_with_zero_step if "after backward" in name else hook_with_zero_step_interleaved
+            ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), make(ch.allreduce_hook, ddp, self.zero, shard))
+            self.pipeline = passes.default_pipeline(shard_weight_update="shard_weight_update" in name)
+        else:
+            _, self.model = ch.compile_ddp(self.net)
+            self.opt = torch.optim.AdamW(self.net.parameters(), lr=LR)
+        if self.compiled:
+            for p in self.net.parameters():  # one backward graph for every step
+                p.grad = torch.zeros_like(p)
+        self.collectives = None
+
+    def step(self) -> None:
+        self.net.zero_grad(set_to_none=False)
+        if self.compiled:
+            with passes.install(self.pipeline) if self.pipeline else contextlib.nullcontext(), ch.compiled_autograd():
+                loss_fn(self.model, self.tokens, self.targets).backward()
+        else:
+            loss_fn(self.model, self.tokens, self.targets).backward()
+        if self.opt is not None:
+            self.opt.step()
+
+    def first_step(self) -> None:
+        if self.compiled:
+            from torch._inductor.utils import run_and_get_code
+
+            _, codes = run_and_get_code(self.step)
+            self.collectives = len(COLLECTIVE.findall("\n".join(codes)))
+        else:
+            self.step()
+
+    def state_bytes(self) -> int:
+        if self.zero is not None:
+            return self.zero.state_bytes()
+        if isinstance(self.opt, ZeroRedundancyOptimizer):
+            return _state_bytes(self.opt.optim.state)
+        return _state_bytes(self.opt.state)
+
+
+def run(rank: int, size: dict, steps: int) -> list[dict] | None:
+    tokens, targets = batch(rank, 0, batch_size=8, seq_len=32)
+    torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
+    configs = [Config(n, size, tokens, targets) for n in CONFIGS if n.startswith("eager")]
+    configs += [Config(n, size, tokens, targets) for n in CONFIGS if not n.startswith("eager")]
+    configs.sort(key=lambda c: CONFIGS.index(c.name))
+    for c in configs:
+        c.first_step()
+    for c in configs:  # one untimed round: compiled autograd builds one more graph per model here
+        c.step()
+    for i in range(steps):
+        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            c.step()
+            c.times.append(time.perf_counter() - t0)
+    # every configuration trains the same model on the same data: how far apart did they end?
+    flat = [torch.cat([p.detach().reshape(-1) for p in c.net.parameters()]) for c in configs]
+    if rank != 0:
+        return None
+    n_tensors = sum(1 for _ in configs[0].net.parameters())
+    n_params = flat[0].numel()
+    base = statistics.median(configs[0].times)
+    return [dict(model=f"{n_tensors} tensors, {n_params / 1e6:.2f}M params", config=c.name,
+                 median_ms=statistics.median(c.times) * 1e3, ratio=statistics.median(c.times) / base,
+                 collectives=c.collectives, state_mb=c.state_bytes() / 1e6,
+                 diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item()) for c, f in zip(configs, flat)]
+
+
+def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    rows = run(rank, dict(dim=args.dim, layers=args.layers), args.steps)
+    if rank == 0:
+        print(f"\n{world_size} ranks (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
+              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: {rows[0]['model']}\n")
+        print("| configuration | median step (ms) | vs first | collectives/step | optimizer state per rank (MB) "
+              "| max parameter difference vs first |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            coll = "-" if r["collectives"] is None else r["collectives"]
+            print(f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | {coll} | {r['state_mb']:.2f} "
+                  f"| {r['diff']:.1e} |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(args.world_size, port, args), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()
