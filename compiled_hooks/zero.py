@@ -10,26 +10,32 @@ Rank independence. Ranks that trace different graphs issue collectives in differ
 (gloo aborts with "collective mismatch" or hangs), so nothing traced branches on the rank: the
 rank is *data*, read when the graph runs by ``torch.ops.compiled_hooks.group_rank``.
 
+Gradients are reduced in buckets (DDP's: its C++ reducer's own buckets in eager mode; in
+compiled mode, gradients packed in gradient-ready order up to DDP's ``bucket_cap_mb``, the
+first up to 1 MB), one ``hook`` call per bucket, so a step issues about as many collectives as
+DDP plus one broadcast per owner per bucket:
+
 - ``shard_buckets=False``: whole parameters, assigned greedily by size (largest first, ties in
   gradient-ready order) to the least-loaded rank. Each rank holds flat state buffers of the
   largest rank's load; a parameter's state sits at the same offset on every rank (in its
   owner's buffer). Every rank computes the update on those offsets, keeps it only where it
-  owns the parameter (``torch.where`` on the rank), and the owner's new value is broadcast::
+  owns the parameter (``torch.where`` on the rank), and each owner's new values are broadcast::
 
-      g = hook(grad)                                   # all_reduce (avg)
+      g = hook(cat(grads))                             # one all_reduce (avg) per bucket
       new_p, new_s = update(p, g, s[off:off+n], step)  # every rank; s written where owner == rank
-      p <- broadcast(new_p, src=owner)
+      p <- broadcast(cat(new_p of owner r), src=r)     # per owner in the bucket
 
   Optimizer compute is thereby spent on every rank; optimizer *memory* is what is sharded.
-- ``shard_buckets=True``: every parameter is split evenly (flat, padded to a multiple of N):
-  the hook reduces the padded flat gradient, each rank updates its slice (selected with
-  ``group_rank``) and the slices are broadcast from their owners and concatenated. ``passes.shard_weight_update`` rewrites that all_reduce +
-  own-slice read + N broadcasts into reduce_scatter + all_gather. The full averaged gradient is
-  never written back: ``param.grad`` keeps this rank's local gradient.
+- ``shard_buckets=True``: every parameter is split evenly (flat, padded to a multiple of N);
+  the bucket is reduced rank-major (this rank's slice of the bucket holds its slice of every
+  member), each rank updates its slices (selected with ``group_rank``) and the bucket's slices
+  are broadcast from every rank and concatenated. ``passes.shard_weight_update`` rewrites that
+  all_reduce + own-slice read + N broadcasts into reduce_scatter + all_gather. The full averaged
+  gradient is never written back: ``param.grad`` keeps this rank's local gradient.
 
 Both schedules of the original: :func:`hook_with_zero_step` updates after the last gradient
 (python reducer: a final autograd callback; C++ reducer: the last bucket), and
-:func:`hook_with_zero_step_interleaved` updates each parameter as soon as its gradient is
+:func:`hook_with_zero_step_interleaved` updates each bucket as soon as its gradients are
 reduced. ``passes.interleave_zero_broadcasts`` schedules the compiled graph accordingly.
 """
 
@@ -55,12 +61,17 @@ __all__ = ["ZeroOptimizer", "ZeroStep", "hook_with_zero_step", "hook_with_zero_s
 
 def assign_whole_parameters(numels: list[int], world_size: int) -> tuple[list[int], list[int], list[int]]:
     """(owner, offset, load per rank) for parameters of ``numels`` given in gradient-ready
-    order: largest first (stable), each to the least-loaded rank (lowest rank on ties)."""
-    owner, offset, load = [0] * len(numels), [0] * len(numels), [0] * world_size
+    order: largest first (stable), each to the least-loaded rank (lowest rank on ties); within
+    its owner's state buffer a parameter's offset follows gradient-ready order, so the
+    parameters one rank owns in a bucket sit side by side."""
+    owner, load = [0] * len(numels), [0] * world_size
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
         r = min(range(world_size), key=lambda r: load[r])
-        owner[i], offset[i] = r, load[r]
+        owner[i] = r
         load[r] += numels[i]
+    offset, end = [0] * len(numels), [0] * world_size
+    for i, r in enumerate(owner):
+        offset[i], end[r] = end[r], end[r] + numels[i]
     return owner, offset, load
 
 
@@ -96,6 +107,9 @@ class ZeroOptimizer:
                 raise TypeError(f"ZeroOptimizer: parameter {i} has dtype {p.dtype}; only floating point is supported")
         if len({id(p) for p in params}) != len(params):
             raise ValueError("ZeroOptimizer: a parameter appears more than once")
+        if len({(p.dtype, p.device) for p in params}) != 1:
+            raise TypeError("ZeroOptimizer: all parameters must share one dtype and device (buckets are flat), got "
+                            f"{sorted({(str(p.dtype), str(p.device)) for p in params})}")
         self.optimizer_class = optimizer_class
         self.hp = hyperparameters(optimizer_class, defaults)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -121,11 +135,7 @@ class ZeroOptimizer:
             self._offset = [0] * len(params)
             for j, i in enumerate(ready):
                 self.owner[i], self._offset[i] = owner[j], offset[j]
-            dtype = params[0].dtype
-            if any(p.dtype != dtype for p in params):
-                raise TypeError("ZeroOptimizer: whole-parameter sharding needs one parameter dtype; "
-                                "use shard_buckets=True for mixed dtypes")
-            self._buffers = {k: torch.zeros(max(load), dtype=dtype, device=device) for k in names}
+            self._buffers = {k: torch.zeros(max(load), dtype=params[0].dtype, device=device) for k in names}
 
     # -- the step --------------------------------------------------------------------------
     def index_of(self, param: torch.Tensor) -> int:
@@ -157,10 +167,10 @@ class ZeroOptimizer:
 
     def reduce_bucket(self, hook: Callable[..., Any], state: Any, items: list[tuple[int, torch.Tensor]]):
         """Average a bucket of gradients ``[(i, grad)]`` with one ``hook(state, flat)`` call and
-        return ``[(i, g)]`` as :meth:`update_bucket` takes them: whole gradients (written back
-        into ``grad``), or with ``shard_buckets`` this rank's slices (``grad`` left as it is) (the bucket is laid out rank-major, every member
-        padded to ``world_size`` equal slices, so a rank's slice of the bucket holds its slice of
-        every member)."""
+        return ``[(i, g)]`` as :meth:`update_bucket` takes them: whole gradients (also written
+        back into ``grad``, as DDP does), or with ``shard_buckets`` this rank's slices, ``grad``
+        left local (the bucket is laid out rank-major, every member padded to ``world_size``
+        equal slices, so a rank's slice of the bucket holds its slice of every member)."""
         if self.shard_buckets:
             flat = self._rank_major(items)
             hook(state, flat)
@@ -169,7 +179,7 @@ class ZeroOptimizer:
         hook(state, flat)
         out = []
         for (i, grad), avg in zip(items, flat.split([g.numel() for _, g in items])):
-            grad.copy_(avg.view_as(grad))  # as DDP: param.grad holds the average afterwards
+            grad.copy_(avg.view_as(grad))
             out.append((i, grad))
         return out
 
@@ -181,24 +191,20 @@ class ZeroOptimizer:
         parameters) or one from every rank (``shard_buckets``). Traceable; the same graph on
         every rank."""
         rule, rank = UPDATES[self.optimizer_class], self._rank()
-        new_values = []
+        new_values, new_states = [], []
         for i, g in items:
             p = self.params[i]
             step = self._steps[i] + 1
             self._steps[i] = step
-            state = self._state_views(i)
             if self.shard_buckets:
-                mine = self._own_slices([(i, p)], self._rank_major([(i, p.detach())]))[0]
-                new, new_state = rule(mine, g.to(p.dtype), state, step, self.hp)
-                for k, t in state.items():
-                    t.copy_(new_state[k])
-            else:
-                new, new_state = rule(p, g.to(p.dtype), state, step, self.hp)
-                owned = (rank == self.owner[i]).reshape(())
-                for k, t in state.items():
-                    t.copy_(torch.where(owned, new_state[k], t))
+                p = self._own_slices([(i, p)], self._rank_major([(i, p.detach())]))[0]
+            new, new_state = rule(p, g.to(p.dtype), self._state_views(i), step, self.hp)
             new_values.append(new.reshape(-1))
+            new_states.append(new_state)
         if self.shard_buckets:
+            for (i, _), new_state in zip(items, new_states):
+                for k, t in self._state[i].items():
+                    t.copy_(new_state[k])
             flat = torch.cat(new_values)
             gathered = torch.cat([fcol.broadcast(flat, src, self.process_group) for src in range(self.world_size)])
             gathered = gathered.view(self.world_size, -1)
@@ -209,10 +215,29 @@ class ZeroOptimizer:
                 offset += new.numel()
             return
         for owner in sorted({self.owner[i] for i, _ in items}):
-            members = [(i, new) for (i, _), new in zip(items, new_values) if self.owner[i] == owner]
-            flat = fcol.broadcast(torch.cat([new for _, new in members]), owner, self.process_group)
-            for (i, _), part in zip(members, flat.split([new.numel() for _, new in members])):
+            members = [j for j, (i, _) in enumerate(items) if self.owner[i] == owner]
+            # state: written only where this rank owns the parameters; one write per side-by-side run
+            owned = (rank == owner).reshape(())
+            for run in self._runs([items[j][0] for j in members]):
+                lo = self._offset[items[members[run[0]]][0]]
+                hi = lo + sum(self.params[items[members[r]][0]].numel() for r in run)
+                for k, buf in self._buffers.items():
+                    new = torch.cat([new_states[members[r]][k].reshape(-1) for r in run])
+                    buf[lo:hi].copy_(torch.where(owned, new, buf[lo:hi]))
+            flat = fcol.broadcast(torch.cat([new_values[j] for j in members]), owner, self.process_group)
+            for j, part in zip(members, flat.split([new_values[j].numel() for j in members])):
+                i = items[j][0]
                 self.params[i].copy_(part.view_as(self.params[i]))
+
+    def _runs(self, indices: list[int]) -> list[list[int]]:
+        """Positions in ``indices`` grouped into runs whose state sits side by side in the buffer."""
+        runs: list[list[int]] = []
+        for pos, i in enumerate(indices):
+            if runs and self._offset[indices[runs[-1][-1]]] + self.params[indices[runs[-1][-1]]].numel() == self._offset[i]:
+                runs[-1].append(pos)
+            else:
+                runs.append([pos])
+        return runs
 
     def update(self, i: int, grad: torch.Tensor) -> None:
         """:meth:`update_bucket` of the one parameter ``i`` with its averaged gradient."""

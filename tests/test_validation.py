@@ -108,6 +108,9 @@ CASES = {
         ValueError, "several parameter groups are not supported"),
     "zero_param_without_grad": (
         lambda g: ZeroOptimizer([torch.zeros(2)], torch.optim.SGD, lr=0.1), ValueError, "does not require grad"),
+    "zero_mixed_dtypes": (
+        lambda g: ZeroOptimizer([_param(), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))],
+                                torch.optim.SGD, lr=0.1), TypeError, "one dtype and device"),
     "zero_unsupported_optimizer": (
         lambda g: ZeroOptimizer([_param()], torch.optim.Adagrad, lr=0.1), TypeError,
         "supports torch.optim.SGD, Adam and AdamW"),

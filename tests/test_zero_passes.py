@@ -51,13 +51,13 @@ class TestInterleave(PassTestCase):
         self.assertExpectedInline(schedule(gm), """\
 all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
-update -> view_4
-broadcast: f32[6] = c10d.broadcast(view_4, 0, group(size=2))
+update -> view_3
+broadcast: f32[6] = c10d.broadcast(view_3, 0, group(size=2))
 wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
 all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
 wait_tensor_2: f32[3] = c10d.wait_tensor(all_reduce_1)
-update -> view_10
-broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
+update -> view_9
+broadcast_1: f32[3] = c10d.broadcast(view_9, 1, group(size=2))
 wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
 copy_: f32[3] = aten.copy_(arg2_1, getitem_5)
 copy__1: f32[2, 3] = aten.copy_(arg3_1, view_5)
@@ -66,13 +66,13 @@ copy__2: f64[2] = aten.copy_(arg4_1, select_scatter_1)""")
         self.assertExpectedInline(schedule(gm), """\
 all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
-update -> view_4
-broadcast: f32[6] = c10d.broadcast(view_4, 0, group(size=2))
+update -> view_3
+broadcast: f32[6] = c10d.broadcast(view_3, 0, group(size=2))
 wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
 all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
 wait_tensor_2: f32[3] = c10d.wait_tensor(all_reduce_1)
-update -> view_10
-broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
+update -> view_9
+broadcast_1: f32[3] = c10d.broadcast(view_9, 1, group(size=2))
 wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
 copy_: f32[3] = aten.copy_(arg2_1, getitem_5)
 copy__1: f32[2, 3] = aten.copy_(arg3_1, view_5)
@@ -87,11 +87,11 @@ all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
 all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
 wait_tensor_1: f32[3] = c10d.wait_tensor(all_reduce_1)
-update -> view_7
-broadcast: f32[6] = c10d.broadcast(view_7, 0, group(size=2))
+update -> view_6
+broadcast: f32[6] = c10d.broadcast(view_6, 0, group(size=2))
 wait_tensor_2: f32[6] = c10d.wait_tensor(broadcast)
-update -> view_10
-broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
+update -> view_9
+broadcast_1: f32[3] = c10d.broadcast(view_9, 1, group(size=2))
 wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
 copy_: f32[3] = aten.copy_(arg2_1, getitem_5)
 copy__1: f32[2, 3] = aten.copy_(arg3_1, view_8)
@@ -101,11 +101,11 @@ copy__2: f64[2] = aten.copy_(arg4_1, select_scatter_1)""")
 all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
 all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
-update -> view_7
-broadcast: f32[6] = c10d.broadcast(view_7, 0, group(size=2))
+update -> view_6
+broadcast: f32[6] = c10d.broadcast(view_6, 0, group(size=2))
 wait_tensor_1: f32[3] = c10d.wait_tensor(all_reduce_1)
-update -> view_10
-broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
+update -> view_9
+broadcast_1: f32[3] = c10d.broadcast(view_9, 1, group(size=2))
 wait_tensor_2: f32[6] = c10d.wait_tensor(broadcast)
 wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
 copy_: f32[3] = aten.copy_(arg2_1, getitem_5)
