@@ -29,9 +29,10 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
 
 In both, each broadcast's wait is moved to just before its first user (the write-back of the
 parameter), so all broadcasts are in flight together. Only compute nodes move: an update that
-depends on another collective, a wait or a mutation is left where it is; no collective
-changes its position relative to another one except that a broadcast is issued earlier, at
-the same point of the graph on every rank (the graph is rank-independent).
+depends on another collective, a wait or a mutation, or that comes after a write (which it
+might read) since its gradient's wait, is left where it is; no collective changes its position
+relative to another one except that a broadcast is issued earlier, at the same point of the
+graph on every rank (the graph is rank-independent).
 """
 
 from __future__ import annotations
@@ -71,11 +72,13 @@ def _unplaced_ancestors(node: Node, placed: set[Node]) -> list[Node]:
     return list(seen)
 
 
-def _movable(n: Node) -> bool:
-    if n.op != "call_function" or is_op(n, (WAIT,)):
-        return False
+def _mutates(n: Node) -> bool:
     schema = getattr(n.target, "_schema", None)
-    return not (schema is not None and schema.is_mutable)
+    return n.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _movable(n: Node) -> bool:
+    return n.op == "call_function" and not is_op(n, (WAIT,)) and not _mutates(n)
 
 
 def interleave_zero_broadcasts(graph: Graph) -> bool:
@@ -101,6 +104,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             anchor = last_issue
         anchored.setdefault(anchor, []).append(b)
 
+    mutations = [position[n] for n in nodes if _mutates(n)]
     order: list[Node] = []
     placed: set[Node] = set()
     for n in nodes:
@@ -112,6 +116,9 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             update = sorted(_unplaced_ancestors(b, placed), key=position.__getitem__)
             if not all(_movable(u) for u in update if u is not b) or any(is_collective(u) for u in update if u is not b):
                 record(PASS, "skipped: the update depends on a collective, a wait or a mutation", b)
+                continue
+            if any(position[n] < m < position[b] for m in mutations):  # it might read what that writes
+                record(PASS, "skipped: a mutation between the gradient and the update", b)
                 continue
             order.extend(update)
             placed.update(update)

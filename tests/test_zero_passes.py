@@ -251,3 +251,23 @@ return None""")
         text = graph_str(gm)
         self.assertFalse(shard_weight_update(gm.graph))
         self.assertEqual(graph_str(gm), text)
+
+
+class TestInterleaveLeavesAlone(PassTestCase):
+    def test_update_after_a_write_to_what_it_reads_stays(self):
+        """An update placed after a write to an input it reads would read the old value if it
+        moved up to its gradient's wait: left where it is."""
+        c10d = torch.ops._c10d_functional
+
+        def fn(g, p, other, x):
+            w = c10d.wait_tensor(c10d.all_reduce(g, "avg", "0"))
+            other.copy_(c10d.wait_tensor(c10d.broadcast(p - 0.1 * w, 0, "0")))
+            p.copy_(x)
+
+        gm = trace(fn, *[torch.ones(4) for _ in range(4)], world_size=2)
+        nodes = list(gm.graph.nodes)
+        wait = next(n for n in nodes if n.name == "wait_tensor")
+        write_p = next(n for n in nodes if n.target is torch.ops.aten.copy_.default and n.args[0].name == "p_1")
+        wait.append(write_p)  # the program writes p right after the gradient, then updates from p
+        gm.graph.lint()
+        self.assertUntouched(gm, interleave_zero_broadcasts, "a mutation between the gradient and the update")
