@@ -142,9 +142,10 @@ def test_eager_ddp_matches_unsharded_optimizer(world_size):
     check(run_ranks(zero_worker, world_size, ALL, timeout=300), world_size)
 
 
-def test_compiled_ddp_matches_unsharded_optimizer():
-    outcomes = run_ranks(zero_worker, 2, ALL, "aot_eager", timeout=600)
-    check(outcomes, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_compiled_ddp_matches_unsharded_optimizer(world_size):
+    outcomes = run_ranks(zero_worker, world_size, ALL, "aot_eager", timeout=600)
+    check(outcomes, world_size)
     for key, got in outcomes[0].items():
         assert got["breaks"] == {}, (key, got["breaks"])
         # forward, and one backward graph holding the collectives, the step and the broadcasts
