@@ -18,7 +18,7 @@ __all__ = ["group_rank"]
 def group_rank(group_name: str, device: torch.device) -> torch.Tensor:
     """This rank's index in the process group named ``group_name``, as ``int64[1]`` on ``device``."""
     group = c10d._resolve_process_group(group_name)
-    return torch.tensor([group.rank()], dtype=torch.int64, device=device)
+    return torch.full((1,), group.rank(), dtype=torch.int64, device=device)  # a fill, no host-to-device copy
 
 
 @group_rank.register_fake
