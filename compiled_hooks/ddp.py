@@ -18,19 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .validation import positional_arity
+
 __all__ = ["ddp_comm_hook", "compile_ddp", "compiled_autograd"]
-
-
-def _required_positional(fn: Callable) -> int:
-    params = inspect.signature(fn).parameters.values()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
 
 
 def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
@@ -43,7 +38,7 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     """
     if not callable(hook):
         raise TypeError(f"ddp_comm_hook: hook must be callable, got {type(hook).__name__}.")
-    if _required_positional(hook) != 2:
+    if positional_arity(hook)[0] != 2:
         raise TypeError(
             f"ddp_comm_hook: {getattr(hook, '__name__', hook)!r} must be callable as hook(state, grad); "
             "DDP all-reduces whole gradients, so reduce-scatter hooks (which need an output shard) "

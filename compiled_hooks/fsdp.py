@@ -35,7 +35,6 @@ by itself (refused with ``ValueError``).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,6 +44,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo
 
 from .state import DefaultState
+from .validation import positional_arity
 
 __all__ = ["register_comm_hook", "get_comm_hook", "HookReduceScatter", "HookAllReduce"]
 
@@ -107,13 +107,6 @@ def _fsdp_modules(module: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def _positional_arity(hook: Callable[..., Any]) -> tuple[int, int]:
-    """(required, accepted) positional parameters of ``hook``."""
-    params = [p for p in inspect.signature(hook).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return sum(p.default is p.empty for p in params), len(params)
-
-
 def _is_replicated(group: Any) -> bool:
     return isinstance(group.mesh_info, DDPMeshInfo)
 
@@ -124,7 +117,7 @@ def _is_sharded(group: Any) -> bool:
 
 def _check_group(group: Any, state: DefaultState, hook: Callable[..., Any]) -> None:
     name = getattr(hook, "__name__", repr(hook))
-    required, accepted = _positional_arity(hook)
+    required, accepted = positional_arity(hook)
     if _is_replicated(group) and _is_sharded(group):
         raise NotImplementedError(
             "register_comm_hook: HSDP (a module both sharded and replicated) is not supported; "

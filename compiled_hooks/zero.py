@@ -52,9 +52,9 @@ import torch.nn.functional as F
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from .ddp import _required_positional
 from .group_rank import group_rank
 from .optim_math import UPDATES, hyperparameters, state_names
+from .validation import positional_arity
 
 __all__ = ["ZeroOptimizer", "ZeroStep", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -160,6 +160,10 @@ class ZeroOptimizer:
         mine = flat.view(n, sum(chunks)).index_select(0, self._rank()).view(-1)
         return list(mine.split(chunks))
 
+    def _own_slice(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``t``, shaped like parameter ``i`` (``shard_buckets``)."""
+        return self._own_slices([(i, t)], self._rank_major([(i, t)]))[0]
+
     def _rank_major(self, items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         n = self.world_size
         parts = [F.pad(t.reshape(-1), (0, n * self._chunks[i] - t.numel())).view(n, -1) for i, t in items]
@@ -197,7 +201,7 @@ class ZeroOptimizer:
             step = self._steps[i] + 1
             self._steps[i] = step
             if self.shard_buckets:
-                p = self._own_slices([(i, p)], self._rank_major([(i, p.detach())]))[0]
+                p = self._own_slice(i, p.detach())
             new, new_state = rule(p, g.to(p.dtype), self._state_views(i), step, self.hp)
             new_values.append(new.reshape(-1))
             new_states.append(new_state)
@@ -232,11 +236,13 @@ class ZeroOptimizer:
     def _runs(self, indices: list[int]) -> list[list[int]]:
         """Positions in ``indices`` grouped into runs whose state sits side by side in the buffer."""
         runs: list[list[int]] = []
+        end = None  # where the previous parameter's state ends
         for pos, i in enumerate(indices):
-            if runs and self._offset[indices[runs[-1][-1]]] + self.params[indices[runs[-1][-1]]].numel() == self._offset[i]:
+            if self._offset[i] == end:
                 runs[-1].append(pos)
             else:
                 runs.append([pos])
+            end = self._offset[i] + self.params[i].numel()
         return runs
 
     def update(self, i: int, grad: torch.Tensor) -> None:
@@ -245,7 +251,7 @@ class ZeroOptimizer:
         if grad.shape != p.shape:
             raise ValueError(f"ZeroOptimizer: gradient of shape {tuple(grad.shape)} for parameter {i} of shape {tuple(p.shape)}")
         if self.shard_buckets:
-            grad = self._own_slices([(i, grad)], self._rank_major([(i, grad)]))[0]
+            grad = self._own_slice(i, grad)
         self.update_bucket([(i, grad)])
 
     def step(self) -> None:
@@ -316,8 +322,7 @@ class ZeroOptimizer:
                     raise ValueError(f"ZeroOptimizer.load_state_dict: state {k!r} of parameter {i} has shape "
                                      f"{tuple(full.shape)}, expected {tuple(p.shape)}")
                 if self.shard_buckets:
-                    n, c = self.world_size, self._chunks[i]
-                    t.copy_(F.pad(full.reshape(-1), (0, n * c - p.numel())).view(n, c)[self.rank])
+                    t.copy_(self._own_slice(i, full))
                 elif self.owner[i] == self.rank:
                     t.copy_(full)
 
@@ -374,7 +379,7 @@ class ZeroStep:
 
 def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
                     shard_buckets: bool, interleaved: bool, name: str) -> Callable[[Any, Any], Any]:
-    if not callable(hook) or _required_positional(hook) != 2:
+    if not callable(hook) or positional_arity(hook)[0] != 2:
         raise TypeError(f"{name}: hook must be callable as hook(state, grad) (allreduce_hook, fp16_compress_hook, "
                         f"bf16_compress_hook), got {getattr(hook, '__name__', hook)!r}")
     if not isinstance(ddp, DistributedDataParallel):

@@ -24,24 +24,17 @@ def schedule(gm):
     """The communication schedule: collectives, waits (what they wait for) and parameter
     write-backs, one per line; ``update`` marks where an update's last op (its broadcast
     input) is computed."""
+    text = {line.split(":", 1)[0]: line for line in graph_str(gm).splitlines()}
     lines = []
     for n in gm.graph.nodes:
-        target = getattr(n.target, "__name__", str(n.target))
-        users = [u.target for u in n.users]
         if n.op != "call_function":
             continue
-        if "c10d" in str(n.target) or target.startswith("copy_"):
-            lines.append(graph_str_line(gm, n))
-        elif any(getattr(u, "__name__", "").startswith("broadcast") or "all_gather" in str(u) for u in users):
+        if "c10d" in str(n.target) or getattr(n.target, "__name__", "").startswith("copy_"):
+            lines.append(text[n.name])
+        elif any(getattr(u.target, "__name__", "").startswith("broadcast") or "all_gather" in str(u.target)
+                 for u in n.users):
             lines.append(f"update -> {n.name}")
     return "\n".join(lines)
-
-
-def graph_str_line(gm, node):
-    for line in graph_str(gm).splitlines():
-        if line.startswith(f"{node.name}:"):
-            return line
-    raise KeyError(node.name)
 
 
 class TestInterleave(PassTestCase):
