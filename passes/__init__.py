@@ -9,8 +9,10 @@ depends on the rank. ``install()`` registers a :class:`Pipeline` of them with In
 from . import testing
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
+from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .pipeline import Pipeline, default_pipeline, install
+from .rank_guard import RankDivergenceError
 from .shard_weight_update import shard_weight_update
 from .verify import PassVerificationError
 
@@ -19,6 +21,8 @@ __all__ = [
     "fuse_collective_casts",
     "interleave_zero_broadcasts",
     "shard_weight_update",
+    "insert_rank_guard",
+    "RankDivergenceError",
     "Pipeline",
     "default_pipeline",
     "install",

@@ -16,23 +16,44 @@ import hashlib
 import inspect
 import os
 import pathlib
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch._inductor.config as inductor_config
+import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
+from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
+from .rank_guard import RankDivergenceError, unraised_verdict
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from ._graph import check_graph
 from .verify import check_rewrite, copy_graph
 
 GraphPass = Callable[..., bool]
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "0").strip().lower()
+    if value not in ("", "0", "1", "false", "true"):
+        raise ValueError(f"{name}={value!r}: expected 1 or 0")
+    return value in ("1", "true")
+
+
+def _flag(name: str, value: Any, env: str) -> bool:
+    """An on/off option: a bool, or None for the environment variable ``env``."""
+    if value is None:
+        return _env_flag(env)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or None (from {env}), got {value!r}")
+    return value
 
 
 def _accepted(fn: GraphPass) -> set[str]:
@@ -51,9 +72,15 @@ class Pipeline(CustomGraphPass):
     ``verify=True`` (default: the ``PASSES_VERIFY`` environment variable) checks every rewrite
     with :func:`passes.verify.check_rewrite` and raises ``PassVerificationError`` on a change of
     values; such a pipeline bypasses the FX graph cache so that every compile is verified.
+
+    ``check_ranks=True`` (default: the ``PASSES_CHECK_RANKS`` environment variable, 1 or 0)
+    runs :func:`passes.insert_rank_guard` after the passes: every compiled graph that
+    communicates first checks, across the ranks, that they all issue the same collectives
+    (:mod:`passes.rank_guard`), and raises ``RankDivergenceError`` on every rank otherwise.
     """
 
-    def __init__(self, passes: Sequence[GraphPass], verify: Optional[bool] = None, **options: Any):
+    def __init__(self, passes: Sequence[GraphPass], verify: Optional[bool] = None,
+                 check_ranks: Optional[bool] = None, **options: Any):
         passes = list(passes)
         for p in passes:
             if not callable(p):
@@ -64,6 +91,11 @@ class Pipeline(CustomGraphPass):
         self.passes = passes
         self.options = dict(options)
         self.verify = os.environ.get("PASSES_VERIFY", "0") not in ("", "0") if verify is None else bool(verify)
+        self.check_ranks = _flag("check_ranks", check_ranks, "PASSES_CHECK_RANKS")
+        if self.check_ranks and not dist.is_initialized():
+            raise RuntimeError("check_ranks=True: torch.distributed is not initialized; call "
+                               "init_process_group() before making the pipeline (the guard compares ranks "
+                               "through the default group's store)")
 
     def __call__(self, graph: Graph) -> None:
         self.run(graph)
@@ -84,6 +116,10 @@ class Pipeline(CustomGraphPass):
                 graph.lint()
                 if before is not None:
                     check_rewrite(getattr(p, "__name__", repr(p)), before, graph)
+        if self.check_ranks:
+            started = time.perf_counter()
+            changed |= insert_rank_guard(graph)
+            counters["passes"]["insert_rank_guard: ms"] += round((time.perf_counter() - started) * 1e3)
         return changed
 
     def uuid(self) -> Optional[str]:
@@ -99,6 +135,7 @@ class Pipeline(CustomGraphPass):
             except (OSError, TypeError):
                 h.update(repr(p).encode())
         h.update(repr(sorted(self.options.items())).encode())
+        h.update(f"check_ranks={self.check_ranks}".encode())
         h.update(torch.__version__.encode())
         return h.hexdigest()
 
@@ -106,18 +143,20 @@ class Pipeline(CustomGraphPass):
         names = ", ".join(getattr(p, "__name__", repr(p)) for p in self.passes)
         opts = "".join(f", {k}={v!r}" for k, v in sorted(self.options.items()))
         opts += ", verify=True" if self.verify else ""
+        opts += ", check_ranks=True" if self.check_ranks else ""
         return f"Pipeline([{names}]{opts})"
 
 
-def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False, **options: Any) -> Pipeline:
+def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False,
+                     check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
     """``fold_collective_scaling``, ``fuse_collective_casts``, ``interleave_zero_broadcasts``
     (options: ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces it
-    rewrites)."""
+    rewrites); ``check_ranks`` as in :class:`Pipeline`."""
     passes = [fold_collective_scaling, fuse_collective_casts, interleave_zero_broadcasts]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
-    return Pipeline(passes, verify=verify, **options)
+    return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)
 
 
 class install:
@@ -130,14 +169,19 @@ class install:
 
     As a plain call it stays installed for the process (``.restore()`` undoes it). Another
     custom post-grad pass already installed is not silently replaced: that raises.
-    ``install(verify=True)`` installs the default pipeline with differential verification.
+    ``install(verify=True)`` installs the default pipeline with differential verification;
+    ``install(check_ranks=True)`` with the rank-divergence guard (:mod:`passes.rank_guard`).
+    With the guard, the context manager also re-raises the error of a rank that was blocked in a
+    collective when another rank found the divergence (the backend's "connection closed" or
+    timeout) as that ``RankDivergenceError``.
     """
 
-    def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None):
+    def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None,
+                 check_ranks: Optional[bool] = None):
         if pipeline is None:
-            pipeline = default_pipeline(verify=verify)
-        elif verify is not None:
-            raise ValueError("install: pass verify= to the Pipeline you give, or give no pipeline")
+            pipeline = default_pipeline(verify=verify, check_ranks=check_ranks)
+        elif verify is not None or check_ranks is not None:
+            raise ValueError("install: pass verify= and check_ranks= to the Pipeline you give, or give no pipeline")
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
         previous = inductor_config.post_grad_custom_post_pass
@@ -155,5 +199,11 @@ class install:
     def __enter__(self) -> Pipeline:
         return self.pipeline
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.restore()
+        if self.pipeline.check_ranks and isinstance(exc, RuntimeError) and not isinstance(exc, RankDivergenceError):
+            # The rank that found the divergence waits until every rank's watchdog has read the
+            # verdict before it raises (and exits, which is what releases a blocked gloo rank).
+            error = unraised_verdict()
+            if error is not None:
+                raise error from exc

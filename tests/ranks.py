@@ -2,17 +2,19 @@
 
 A rank that raises, dies (e.g. an abort inside gloo) or hangs past ``timeout`` fails the
 caller with a message naming the rank, so a distributed test can never hang the suite.
+:func:`rank_outcomes` reports those instead of raising, for tests about failures themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,16 @@ class RankError(RuntimeError):
     pass
 
 
-def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: tuple, backend: str) -> None:
+@dataclasses.dataclass
+class Outcome:
+    status: str  # "ok", "error" (raised), "died" (no report, non-zero exit), "hung" (no report in time)
+    result: Any = None  # what fn returned, or the error text
+    seconds: Optional[float] = None  # from start to report
+    exitcode: Optional[int] = None  # None while the process still ran when it was killed
+
+
+def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: tuple, backend: str,
+           teardown: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     reported = False
@@ -35,55 +46,66 @@ def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: t
         torch.save(result, buf)
         q.put((rank, "ok", buf.getvalue()))
         reported = True
-        # gloo aborts a process whose peer tore the group down first: leave together
-        dist.barrier()
-        dist.destroy_process_group()
+        if teardown:  # gloo aborts a process whose peer tore the group down first: leave together
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException as e:  # report everything, including SystemExit/KeyboardInterrupt
         if not reported:
             q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              backend: str = "gloo") -> list[Any]:
-    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process."""
+def rank_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+                  backend: str = "gloo", teardown: bool = True) -> list[Outcome]:
+    """Run ``fn(rank, world_size, *args)`` on every rank; what happened to each.
+    ``teardown=False`` leaves out the final barrier, for groups a test leaves broken."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    outcomes: dict[int, Outcome] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, store_path, q, args, backend), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, store_path, q, args, backend, teardown), daemon=True)
             for r in range(world_size)
         ]
+        start = time.monotonic()
         for p in procs:
             p.start()
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
         try:
-            while len(results) + len(errors) < world_size:
+            while len(outcomes) < world_size:
                 try:
-                    rank, status, payload = q.get(timeout=1.0)
+                    rank, status, payload = q.get(timeout=0.5)
                 except queue.Empty:
-                    reported = set(results) | set(errors)
-                    died = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
-                    if died:
-                        codes = ", ".join(f"rank {r} exit code {procs[r].exitcode}" for r in died)
-                        raise RankError(f"{fn.__name__}: rank(s) died without reporting ({codes})") from None
-                    if time.monotonic() > deadline:
-                        raise RankError(
-                            f"{fn.__name__}: {world_size - len(results) - len(errors)} rank(s) gave no "
-                            f"answer within {timeout}s (hang)"
-                        ) from None
+                    for r, p in enumerate(procs):
+                        if r not in outcomes and p.exitcode not in (None, 0):
+                            outcomes[r] = Outcome("died", seconds=time.monotonic() - start)
+                    if time.monotonic() - start > timeout:
+                        for r in range(world_size):
+                            outcomes.setdefault(r, Outcome("hung", seconds=time.monotonic() - start))
                     continue
-                if status == "ok":
-                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-                else:
-                    errors[rank] = payload
+                result = torch.load(io.BytesIO(payload), weights_only=False) if status == "ok" else payload
+                outcomes[rank] = Outcome(status, result, time.monotonic() - start)
         finally:
-            for p in procs:
+            for r, p in enumerate(procs):
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-        if errors:
-            raise RankError(f"{fn.__name__} failed:\n" + "\n".join(f"rank {r}: {m}" for r, m in sorted(errors.items())))
-        return [results[r] for r in range(world_size)]
+                    p.join()
+                elif r in outcomes:
+                    outcomes[r].exitcode = p.exitcode
+    return [outcomes[r] for r in range(world_size)]
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+              backend: str = "gloo") -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process."""
+    outcomes = rank_outcomes(fn, world_size, *args, timeout=timeout, backend=backend)
+    died = [f"rank {r} exit code {o.exitcode}" for r, o in enumerate(outcomes) if o.status == "died"]
+    if died:
+        raise RankError(f"{fn.__name__}: rank(s) died without reporting ({', '.join(died)})")
+    hung = [r for r, o in enumerate(outcomes) if o.status == "hung"]
+    if hung:
+        raise RankError(f"{fn.__name__}: {len(hung)} rank(s) gave no answer within {timeout}s (hang)")
+    errors = {r: o.result for r, o in enumerate(outcomes) if o.status == "error"}
+    if errors:
+        raise RankError(f"{fn.__name__} failed:\n" + "\n".join(f"rank {r}: {m}" for r, m in sorted(errors.items())))
+    return [o.result for o in outcomes]
