@@ -8,7 +8,8 @@ seed: once with eager fp32 DDP (the reference), once with compiled DDP (python r
 compiled autograd), ``bf16_compress_hook`` and this project's graph passes (``--no-passes``
 leaves them out). Rank 0 prints the loss and step time of every step, what the passes did,
 and how far the compiled bf16 run's final loss is from the reference's. Exits non-zero if the
-runs disagree by more than ``--tolerance``. ``PASSES_VERIFY=1`` checks every rewrite.
+runs disagree by more than ``--tolerance``. ``PASSES_VERIFY=1`` checks every rewrite;
+``PASSES_CHECK_RANKS=1`` turns on the rank-divergence guard.
 """
 
 from __future__ import annotations
@@ -120,6 +121,14 @@ def train(rank: int, steps: int, compiled: bool, log: bool, use_passes: bool = T
     return mean_loss.item()
 
 
+def report_rank_guard() -> None:
+    """With ``PASSES_CHECK_RANKS=1``: how many compiled graphs the guard checked across ranks."""
+    checked = counters["rank_guard"]["graphs checked"]
+    if checked:
+        print(f"rank guard: {checked} compiled graph(s) checked against every rank's, no divergence "
+              f"({counters['rank_guard']['check us'] / 1e3:.0f} ms in first-run exchanges)", flush=True)
+
+
 def run(rank: int, world_size: int, steps: int, tolerance: float, use_passes: bool = True) -> bool:
     log = rank == 0
     # Eager DDP first: compile_ddp switches the process to DDP's python reducer.
@@ -131,6 +140,7 @@ def run(rank: int, world_size: int, steps: int, tolerance: float, use_passes: bo
         print(f"final loss: compiled bf16 {result:.4f}  eager fp32 {reference:.4f}  "
               f"relative difference {rel:.2e} ({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}, "
               f"{world_size} ranks)", flush=True)
+        report_rank_guard()
     return ok
 
 

@@ -5,10 +5,11 @@
 
 Each rank trains the main example's tiny transformer twice from the same seed, with
 ``fully_shard`` on every block and the root and ``torch.compile`` on every block: once with
-``compiled_hooks.fsdp.register_comm_hook(model, LowPrecisionState, bf16_compress_hook)``, once
-with FSDP2's ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` (the reference). Rank 0
-prints both losses every step and how far the final losses are apart; exits non-zero beyond
-``--tolerance``.
+``compiled_hooks.fsdp.register_comm_hook(model, LowPrecisionState, bf16_compress_hook,
+compile=True)`` (the hook compiled with this project's passes), once with FSDP2's
+``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` (the reference). Rank 0 prints both
+losses every step and how far the final losses are apart; exits non-zero beyond
+``--tolerance``. ``PASSES_CHECK_RANKS=1`` turns on the rank-divergence guard.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn  # noqa: E402
+from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn, report_rank_guard  # noqa: E402
 
 import compiled_hooks as ch  # noqa: E402
+import passes  # noqa: E402
 from compiled_hooks.fsdp import register_comm_hook  # noqa: E402
 
 
@@ -38,7 +40,7 @@ def build(mesh, with_hook: bool) -> torch.nn.Module:
         block.compile()
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if with_hook:
-        register_comm_hook(model, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+        register_comm_hook(model, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook, compile=True)
     return model
 
 
@@ -69,11 +71,13 @@ def run(rank: int, world_size: int, steps: int, tolerance: float) -> bool:
     if rank == 0:
         print(f"final loss: hook {ours:.4f}  FSDP2 mixed precision {ref:.4f}  relative difference {rel:.2e} "
               f"({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}, {world_size} ranks)", flush=True)
+        report_rank_guard()
     return ok
 
 
 def _run_args(rank: int, world_size: int, args) -> bool:
-    return run(rank, world_size, args.steps, args.tolerance)
+    with passes.install():
+        return run(rank, world_size, args.steps, args.tolerance)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn  # noqa: E402
+from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn, report_rank_guard  # noqa: E402
 
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
@@ -104,6 +104,7 @@ def run(rank: int, world_size: int, args) -> bool:
               f"({state / ref_state:.1%}, {world_size} ranks)", flush=True)
         print(f"parameters: max relative difference to the reference {diff:.2e}; identical on all ranks: "
               f"{identical}", flush=True)
+        report_rank_guard()
     return ok
 
 

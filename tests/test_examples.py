@@ -1,4 +1,5 @@
-"""The README's examples run as written and their two runs agree."""
+"""The README's examples run as written and their two runs agree, with the rank-divergence
+guard on (``PASSES_CHECK_RANKS=1``: no false positive, and it did check the compiled graphs)."""
 
 import os
 import pathlib
@@ -6,10 +7,15 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+GUARD = {"PASSES_CHECK_RANKS": "1"}
+
+
+def assert_guard_checked(stdout: str) -> None:
+    assert any(line.startswith("rank guard: ") and "no divergence" in line for line in stdout.splitlines()), stdout
 
 
 def test_train_ddp_example_with_verified_passes():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1"}  # every rewrite checked
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1", **GUARD}  # every rewrite checked
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--steps", "6"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
@@ -23,21 +29,23 @@ def test_train_ddp_example_with_verified_passes():
     assert proc.stdout.count("step ") == 12
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and "(OK" in final[0], proc.stdout
+    assert_guard_checked(proc.stdout)
 
 
 def test_train_fsdp2_example():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_fsdp2.py"), "--steps", "4"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **GUARD},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("bf16_compress_hook: loss") == 4
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and "(OK" in final[0], proc.stdout
+    assert_guard_checked(proc.stdout)
 
 
 def test_train_zero_example_sharded_with_verified_passes():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1", **GUARD}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_zero.py"), "--steps", "4", "--shard-buckets"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
@@ -51,3 +59,4 @@ def test_train_zero_example_sharded_with_verified_passes():
     assert "identical on all ranks: True" in proc.stdout
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and "(OK" in final[0], proc.stdout
+    assert_guard_checked(proc.stdout)

@@ -11,15 +11,17 @@ and every process exits with code 0. Without it, the same programs abort inside 
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
+from torch._dynamo.utils import counters
 
 import passes
-from tests.ranks import rank_outcomes
+from tests.ranks import rank_outcomes, run_ranks
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -85,3 +87,29 @@ def test_without_the_guard_gloo_aborts_or_times_out(case):
     # other reads "Connection reset by peer"; none of them can tell which collective differed
     assert any(o.status in ("died", "hung") for o in outcomes), outcomes
     assert not any(o.status == "ok" and o.result[0] == "RankDivergenceError" for o in outcomes), outcomes
+
+
+def _agree(rank: int, world_size: int, cache_dirs: list):
+    """Two all_reduces for 4 steps under the guard, each rank with its own Inductor cache dir;
+    (the outputs, FX graph cache hits, misses, seconds spent in the first call)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
+    counters.clear()
+
+    @torch.compile(dynamic=False)
+    def step(a, b):
+        return fc.all_reduce(a, "sum", dist.group.WORLD) + 1, fc.all_reduce(b * rank, "sum", dist.group.WORLD)
+
+    with passes.install(check_ranks=True):
+        outs = [step(torch.ones(8), torch.ones(4)) for _ in range(4)]
+    inductor = counters["inductor"]
+    return ([o.tolist() for o in outs[-1]], inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"],
+            counters["rank_guard"]["graphs checked"])
+
+
+def test_no_false_positive_when_one_rank_hits_the_fx_graph_cache(tmp_path):
+    warm, cold = str(tmp_path / "warm"), str(tmp_path / "cold")
+    run_ranks(_agree, 2, [warm, warm])  # fills the cache rank 0 uses next
+    (out0, hits0, misses0, checked0), (out1, hits1, misses1, checked1) = run_ranks(_agree, 2, [warm, cold])
+    assert (hits0, misses0) == (1, 0) and (hits1, misses1) == (0, 1), (hits0, misses0, hits1, misses1)
+    assert checked0 == checked1 == 1  # the cached graph carries its check, and it passed
+    assert out0 == out1 == [[3.0] * 8, [1.0] * 4]

@@ -8,6 +8,7 @@ passes, Pipeline, install and the tracing helper.
 """
 
 import functools
+import os
 import re
 import signal
 
@@ -142,6 +143,16 @@ CASES = {
         lambda g: _scaler_step(torch.optim.Adagrad), TypeError, "supports SGD, Adam, AdamW"),
     "compiled_autograd_without_python_reducer": (
         lambda g: ch.compiled_autograd().__enter__(), RuntimeError, "optimize_ddp = 'python_reducer'"),
+    "check_ranks_not_a_bool": (lambda g: passes.install(check_ranks="yes"), TypeError,
+                               "check_ranks must be True, False or None"),
+    "check_ranks_env_not_a_flag": (lambda g: _with_env("PASSES_CHECK_RANKS", "on", passes.default_pipeline),
+                                   ValueError, "PASSES_CHECK_RANKS='on': expected 1 or 0"),
+    "check_ranks_with_a_pipeline": (
+        lambda g: passes.install(passes.Pipeline([passes.fold_collective_scaling]), check_ranks=True), ValueError,
+        "pass verify= and check_ranks= to the Pipeline you give"),
+    "check_ranks_on_an_unknown_group": (
+        lambda g: torch.ops.compiled_hooks.check_ranks('{"no-such-group": [["all_reduce", ["sum"], ["float32", [4]], ""]]}'),
+        RuntimeError, "process group 'no-such-group', which this process does not know"),
 }
 
 
@@ -223,6 +234,14 @@ def _install_over_foreign():
         passes.install()
     finally:
         torch._inductor.config.post_grad_custom_post_pass = None
+
+
+def _with_env(name, value, fn):
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        del os.environ[name]
 
 
 def _without_group(state):

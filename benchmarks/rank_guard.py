@@ -1,0 +1,109 @@
+"""What the rank-divergence guard costs: the main example's training step with and without it.
+
+    python benchmarks/rank_guard.py [--steps 300]     # 2 CPU ranks over gloo
+
+Two copies of the main example (its transformer, compiled DDP + ``bf16_compress_hook`` + the
+passes, AdamW), one compiled with ``passes.install(check_ranks=True)``, one without; their
+steps are interleaved (the order alternates every step) so that machine noise hits both alike.
+Reported on rank 0: median step time of each and their ratio; the compile-time cost of the guard
+(the pass, and the first run's exchange with the other rank, which waits for that rank to
+arrive); and the guard's steady-state cost per call, timed directly. The run checks that only the
+guarded copy runs guarded graphs (the guard's collective count grows only on its steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn  # noqa: E402
+
+import compiled_hooks as ch  # noqa: E402
+import passes  # noqa: E402
+from passes import rank_guard  # noqa: E402
+
+
+class Copy:
+    def __init__(self, guard: bool):
+        torch.manual_seed(0)
+        self.guard, self.net = guard, TinyTransformer()
+        self.ddp, self.model = ch.compile_ddp(self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+        self.opt = torch.optim.AdamW(self.net.parameters(), lr=1e-3)
+        for p in self.net.parameters():
+            p.grad = torch.zeros_like(p)
+        self.pipeline = passes.default_pipeline(check_ranks=guard)
+        self.times: list[float] = []
+
+    def step(self, step: int) -> float:
+        tokens, targets = batch(dist.get_rank(), step)
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=False)
+        with passes.install(self.pipeline), ch.compiled_autograd():
+            loss_fn(self.model, tokens, targets).backward()
+        self.opt.step()
+        return time.perf_counter() - t0
+
+
+def _guarded_collectives() -> int:
+    return sum(g.issued for g in rank_guard._groups.values() if g is not None)
+
+
+def fast_path_us(calls: int = 20000) -> float:
+    """Steady-state cost of one guard call (an agreed record), in microseconds."""
+    record = next(iter(rank_guard._plans))
+    op = torch.ops.compiled_hooks.check_ranks.default
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        op(record)
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def run(rank: int, world_size: int, args) -> bool:
+    copies = [Copy(guard=False), Copy(guard=True)]
+    compile_s = {}
+    for c in copies:
+        t0 = time.perf_counter()
+        c.step(0)
+        c.step(1)  # compiled autograd may compile a second graph per model on its second step
+        compile_s[c.guard] = time.perf_counter() - t0
+    for step in range(2, args.steps + 2):
+        for c in copies if step % 2 else copies[::-1]:
+            before = _guarded_collectives()
+            c.times.append(c.step(step))
+            grew = _guarded_collectives() > before
+            if grew != c.guard:
+                raise RuntimeError(f"step {step}: the {'guarded' if c.guard else 'unguarded'} copy "
+                                   f"{'did not run' if c.guard else 'ran'} a guarded graph")
+    per_call = fast_path_us()
+    if rank == 0:
+        off, on = (statistics.median(c.times) * 1e3 for c in copies)
+        print(f"rank guard overhead, main example, {world_size} ranks, {args.steps} interleaved steps each "
+              f"(medians, rank 0):")
+        print(f"  without guard: {off:.2f} ms/step   with guard: {on:.2f} ms/step   ratio {on / off:.4f}")
+        print(f"  guard calls per step: {len([1 for _ in rank_guard._plans])} graph(s) with collectives; "
+              f"one call costs {per_call:.2f} us (timed over 20000 calls)")
+        print(f"  compile: first two steps {compile_s[False]:.1f} s without, {compile_s[True]:.1f} s with the guard; "
+              f"insert_rank_guard {counters['rank_guard']['pass us'] / 1e3:.1f} ms, "
+              f"first-run exchange {counters['rank_guard']['check us'] / 1e3:.1f} ms "
+              f"({counters['rank_guard']['graphs checked']} graph(s) checked)")
+        print(json.dumps({"off_ms": off, "on_ms": on, "ratio": on / off, "call_us": per_call}))
+    return True
+
+
+def main() -> None:
+    parser = example_parser(__doc__.split("\n\n")[0])
+    parser.set_defaults(steps=300)
+    launch(run, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
