@@ -12,15 +12,18 @@ the check::
     w = wait_tensor(ar)                           ar = all_reduce(t, 'sum', '0')
     ...                                           w = wait_tensor(ar)
 
-One entry per collective, in graph order (the order Inductor issues them): the op, its
-argument that must agree (reduce op, broadcast source, group size), the input's dtype and shape,
-and the user's source line where the graph has one (compared for nothing, printed in errors).
+One entry per collective, in graph order (the order Inductor issues them unless its optional
+comm reordering is on, which reorders the same way on every rank): the op, its arguments that
+must agree (reduce op, broadcast source, group size), the input's dtype and shape, and the
+user's source line where the graph has one (printed in errors, not compared: paths may differ
+between machines).
 Shapes that are symbolic (dynamic shapes) are recorded as their expressions: two ranks whose
 symbolic sizes differ at run time are not told apart. A graph without collectives is left
 alone. Run it last, so it records the order the other passes left.
 
 Idempotent: a graph that already has a check with the same record is unchanged; a stale check
-(the graph changed since) is replaced.
+(the graph changed since) is replaced. A graph with a collective it cannot describe (no
+metadata, a group passed as a value) gets no check, counted as skipped.
 """
 
 from __future__ import annotations
@@ -48,8 +51,6 @@ _AGREEING_ARGS = {
     "all_to_all_single": (1, 2),
 }
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-
-
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
@@ -100,7 +101,6 @@ def insert_rank_guard(graph: Graph) -> bool:
     rec = collective_record(graph)
     if rec is None:
         record(NAME, "skipped: a collective without metadata or with an unnamed group")
-        return False
     payload = json.dumps(rec, sort_keys=True, separators=(",", ":")) if rec else None
     if len(existing) == 1 and existing[0].args[0] == payload:
         return False

@@ -181,7 +181,8 @@ class install:
         if pipeline is None:
             pipeline = default_pipeline(verify=verify, check_ranks=check_ranks)
         elif verify is not None or check_ranks is not None:
-            raise ValueError("install: pass verify= and check_ranks= to the Pipeline you give, or give no pipeline")
+            option = "verify=" if verify is not None else "check_ranks="
+            raise ValueError(f"install: pass {option} to the Pipeline you give, or give no pipeline")
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
         previous = inductor_config.post_grad_custom_post_pass

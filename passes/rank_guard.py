@@ -92,6 +92,7 @@ class _Group:
 _lock = threading.Lock()  # guards _groups (the main thread adds, the watchdog reads)
 _groups: dict[str, Optional[_Group]] = {}
 _plans: dict[str, list[tuple[_Group, list]]] = {}  # agreed record -> its groups' entries
+_world: Optional[dist.ProcessGroup] = None  # the default group the state above belongs to
 _watchdog: Optional[threading.Thread] = None
 
 
@@ -106,6 +107,12 @@ def unraised_verdict() -> Optional[RankDivergenceError]:
 @torch.library.custom_op("compiled_hooks::check_ranks", mutates_args=())
 def check_ranks(record: str) -> None:
     """Check ``record`` (JSON, see :mod:`passes.insert_rank_guard`) against the other ranks."""
+    global _world
+    if c10d._world.default_pg is not _world:  # a new default group: group names start over
+        with _lock:
+            _groups.clear()
+            _plans.clear()
+            _world = c10d._world.default_pg
     plan = _plans.get(record)
     if plan is None:
         plan = _check(record)

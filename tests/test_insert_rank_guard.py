@@ -100,7 +100,7 @@ def test_check_ranks_option(monkeypatch, fake_pg):
     monkeypatch.delenv("PASSES_CHECK_RANKS")
     with pytest.raises(TypeError, match="check_ranks must be True, False or None"):
         install(check_ranks="yes")
-    with pytest.raises(ValueError, match="pass verify= and check_ranks= to the Pipeline you give"):
+    with pytest.raises(ValueError, match="pass check_ranks= to the Pipeline you give"):
         install(Pipeline([fuse_collective_casts]), check_ranks=True)
 
 

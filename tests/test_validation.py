@@ -149,7 +149,7 @@ CASES = {
                                    ValueError, "PASSES_CHECK_RANKS='on': expected 1 or 0"),
     "check_ranks_with_a_pipeline": (
         lambda g: passes.install(passes.Pipeline([passes.fold_collective_scaling]), check_ranks=True), ValueError,
-        "pass verify= and check_ranks= to the Pipeline you give"),
+        "pass check_ranks= to the Pipeline you give"),
     "check_ranks_on_an_unknown_group": (
         lambda g: torch.ops.compiled_hooks.check_ranks('{"no-such-group": [["all_reduce", ["sum"], ["float32", [4]], ""]]}'),
         RuntimeError, "process group 'no-such-group', which this process does not know"),
