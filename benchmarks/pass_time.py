@@ -1,0 +1,67 @@
+"""How the passes' own time grows with the graph: traced DDP-shaped graphs of K compressed hook calls.
+
+    python benchmarks/pass_time.py [--calls 800 3300] [--world-size 8]
+
+Each graph is what a compiled DDP backward with ``bf16_compress_hook`` looks like to the passes
+(``tests/graphs.py``'s ``ddp_fn``: every gradient computed, then reduced by the hook), traced
+with a fake process group (no processes). For each size: the node count, every pass's time in
+``default_pipeline()`` order and the pipeline's total (median of ``--repeat`` fresh copies), and
+between the smallest and the largest graph the growth exponent ``log(t2/t1) / log(n2/n1)``
+(1.0 is linear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import passes  # noqa: E402
+from passes.testing import fake_process_group, trace  # noqa: E402
+from passes.verify import copy_graph  # noqa: E402
+from tests.graphs import ddp_args, ddp_fn  # noqa: E402
+
+
+def measure(calls: int, world_size: int, repeat: int) -> tuple[int, dict[str, float]]:
+    fake_process_group(world_size)
+    gm = trace(ddp_fn("bf16"), *ddp_args([(64,)] * calls), world_size=world_size)
+    pipeline = passes.default_pipeline()
+    times: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        graph = copy_graph(gm.graph)
+        for p in pipeline.passes:
+            t0 = time.perf_counter()
+            p(graph, **{k: v for k, v in pipeline.options.items()})
+            times.setdefault(p.__name__, []).append(time.perf_counter() - t0)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    medians["pipeline"] = sum(medians.values())
+    return len(gm.graph.nodes), medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, nargs="+", default=[800, 3300])
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = [(calls, *measure(calls, args.world_size, args.repeat)) for calls in args.calls]
+    names = list(rows[0][2])
+    print(f"pass time on traced DDP graphs with bf16_compress_hook (world {args.world_size}, median of {args.repeat}):")
+    print(f"{'hook calls':>10} {'nodes':>7} " + " ".join(f"{n:>27}" for n in names))
+    for calls, nodes, t in rows:
+        print(f"{calls:>10} {nodes:>7} " + " ".join(f"{t[n]:>26.3f}s" for n in names))
+    if len(rows) > 1:
+        (_, n1, t1), (_, n2, t2) = rows[0], rows[-1]
+        print("growth exponent " + ", ".join(
+            f"{n}: {math.log(t2[n] / t1[n]) / math.log(n2 / n1):.2f}" for n in names if t1[n] > 0 and t2[n] > 0))
+
+
+if __name__ == "__main__":
+    main()
