@@ -46,7 +46,7 @@ def measure(calls: int, world_size: int, repeat: int) -> tuple[int, dict[str, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, nargs="+", default=[800, 3300])
+    parser.add_argument("--calls", type=int, nargs="+", default=[890, 3670])
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()

@@ -14,6 +14,7 @@ any users.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from fractions import Fraction
 from typing import Any, Callable, Optional
@@ -23,6 +24,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import compiled_hooks.group_rank  # noqa: F401 - registers torch.ops.compiled_hooks.group_rank
 from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.fx import Graph, Node
 
 log = logging.getLogger("passes")
@@ -76,8 +78,13 @@ def scale_factor(node: Node) -> Optional[Fraction]:
     c = node.args[1]
     if isinstance(c, bool) or not isinstance(c, (int, float)) or c == 0 or c != c or abs(c) == float("inf"):
         return None
-    f = Fraction(c)
-    return f if node.target in MUL_OPS else 1 / f
+    return _factor(c, node.target in MUL_OPS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _factor(c: float, multiplies: bool) -> Fraction:
+    """A graph's scales repeat a few constants: each Fraction is made once."""
+    return Fraction(c) if multiplies else 1 / Fraction(c)
 
 
 def is_scale(node: Any) -> bool:
@@ -181,6 +188,8 @@ def chains(graph: Graph, pass_name: str) -> list[Chain]:
     check_graph(pass_name, graph)
     out = []
     for node in graph.nodes:
+        if node.op != "call_function" or node.target not in COLLECTIVES:
+            continue
         chain = match_chain(node)
         if chain is None:
             continue
@@ -217,6 +226,9 @@ def new_node(graph: Graph, target: Callable, args: tuple, kwargs: Optional[dict]
                                            if isinstance(v, torch.Tensor)])
     if mode is None:
         raise RuntimeError(f"{target}: inputs carry no fake tensor values (meta['val'])")
-    with mode:
+    # A pass's new nodes are one of a kind (a bucket's cat of K members, its split into K): the
+    # fake-tensor cache would hash every input and check every output for nothing, which costs
+    # more than the op itself for large buckets.
+    with mode, disable_fake_tensor_cache(mode):
         node.meta["val"] = target(*fake_args[0], **fake_args[1])
     return node

@@ -16,13 +16,17 @@ For two gradients ``a`` and ``b`` (after ``fold_collective_scaling``)::
     oa = convert_element_type(wa, f32)         r = all_reduce(flat, "avg", group)
     cb = convert_element_type(b, bf16)         ...                # rest of backward overlaps
     rb = all_reduce(cb, "avg", group)          w = wait_tensor(r)
-    wb = wait_tensor(rb)                       oa = convert_element_type(view(slice(w, 0, 0, na), sa), f32)
-    ob = convert_element_type(wb, f32)         ob = convert_element_type(view(slice(w, 0, na, na+nb), sb), f32)
-    copy_(ga, oa); copy_(gb, ob)               copy_(ga, oa); copy_(gb, ob)
+    wb = wait_tensor(rb)                       pieces = split_with_sizes(w, [na, nb])
+    ob = convert_element_type(wb, f32)         oa = convert_element_type(view(pieces[0], sa), f32)
+    copy_(ga, oa); copy_(gb, ob)               ob = convert_element_type(view(pieces[1], sb), f32)
+                                               copy_(ga, oa); copy_(gb, ob)
 
 Every member's pre-collective ops (scales, casts, views) move next to the ``cat``, so Inductor
 computes them straight into the flat buffer (one copy-in); every member's post-collective
-ops read a slice of the bucket, so the decompress is fused into the copy-out. The bucket is
+ops read its piece of the bucket, so the decompress is fused into the copy-out. (1-D members
+need no ``reshape`` / ``view``.) Linear in the graph: one labelling pass finds the buckets, one
+numbering serves every merge, and one ``split_with_sizes`` cuts a bucket (a slice per member
+cost ~1.5 ms each in fake-tensor propagation). The bucket is
 issued right after its last member's input is ready, and waited right before the first use
 of any member's result, so it overlaps with the rest of the graph. A reduce_scatter bucket
 lays members out rank-major (``cat`` of ``[N, -1]`` views along dim 1), so each rank's
@@ -37,6 +41,7 @@ is used before the bucket's last input is ready; both are counted in ``counters[
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from torch.fx import Graph, Node
@@ -64,6 +69,10 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], cap_mb: float, first_c
     Any other collective in between ends the bucket, so the pass never reorders collectives
     relative to each other and a second run finds nothing left to merge.
 
+    One pass over the graph: every node is labelled with the latest candidate (by graph order)
+    it depends on. Members of a bucket are consecutive candidates, so a candidate depends on a
+    member exactly when its input's label is at least the first member's.
+
     (Inductor's ``greedy_bucket_collective_by_mb`` would do, but in torch 2.13 it applies the
     first bucket's cap to every bucket.)
     """
@@ -73,46 +82,48 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], cap_mb: float, first_c
     # counts, also at a non-candidate collective with nothing open, so that a second run, where
     # a first run's bucket stands as such a collective, numbers and caps exactly as the first.
     size = index = 0
-    downstream: set[Node] = set()  # everything that depends on the current members
+    latest: dict[Node, int] = {}  # node -> index of the latest candidate it depends on
+    first_member = count = 0
 
     def close() -> None:
         nonlocal current, size, index
         if len(current) > 1:
             buckets.append(current)
         current, size, index = [], 0, index + 1
-        downstream.clear()
 
     for node in graph.nodes:
+        depends_on = max((latest.get(i, -1) for i in node.all_input_nodes), default=-1)
         chain = candidates.get(node)
         if chain is None:
+            latest[node] = depends_on
             if is_collective(node):  # only adjacent candidates share a bucket
                 close()
             continue
         nbytes = val(node.args[0]).numel() * val(node.args[0]).element_size()
         cap = (first_cap_mb if index == 0 else cap_mb) * 2**20
-        if current and (_key(chain) != _key(current[0]) or node in downstream or size + nbytes > cap):
+        if current and (_key(chain) != _key(current[0]) or depends_on >= first_member or size + nbytes > cap):
             close()
+        if not current:
+            first_member = count
         current.append(chain)
         size += nbytes
-        _add_downstream(node, downstream)
+        latest[node] = count
+        count += 1
     close()
     return buckets
 
 
-def _add_downstream(node: Node, seen: set[Node]) -> None:
-    stack = [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-
-
-def _merge(graph: Graph, bucket: list[Chain]) -> bool:
-    order = {n: i for i, n in enumerate(graph.nodes)}
+def _merge(graph: Graph, bucket: list[Chain], order: dict[Node, int], moved: set[Node]) -> bool:
+    """Merge one bucket. ``order`` numbers the graph's nodes as it was before any merge; nodes
+    an earlier merge moved are in ``moved``, and only if this bucket's anchors or uses are among
+    them is the graph numbered again."""
+    users = [u for c in bucket for u in c.end.users]
+    if moved.intersection(users) or moved.intersection(c.start for c in bucket):
+        order.clear()
+        order.update((n, i) for i, n in enumerate(graph.nodes))
+        moved.clear()
     moving = {n for c in bucket for n in c.pre + [c.collective, c.wait]}
     anchor = max((c.start for c in bucket), key=order.__getitem__)
-    users = [u for c in bucket for u in c.end.users]
     first_use = min(users, key=order.__getitem__)
     if order[first_use] <= order[anchor]:
         record(PASS, "skipped bucket: a member's result is used before its last input is ready", first_use)
@@ -128,9 +139,12 @@ def _merge(graph: Graph, bucket: list[Chain]) -> bool:
     for c in bucket:
         for n in c.pre:
             insert_before.prepend(n)
-        with graph.inserting_before(insert_before):
-            inp = c.collective.args[0]
-            flats.append(new_node(graph, aten.reshape.default, (inp, [group_size, -1] if rs else [-1])))
+            moved.add(n)
+        inp = c.collective.args[0]
+        if rs or val(inp).dim() != 1:  # a 1-D all_reduce input is already flat
+            with graph.inserting_before(insert_before):
+                inp = new_node(graph, aten.reshape.default, (inp, [group_size, -1] if rs else [-1]))
+        flats.append(inp)
     with graph.inserting_before(insert_before):
         flat = new_node(graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat")
         if rs:
@@ -141,17 +155,19 @@ def _merge(graph: Graph, bucket: list[Chain]) -> bool:
 
     with graph.inserting_before(first_use):
         wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
-    offset = 0
-    for c in bucket:
+        sizes = [val(c.collective).numel() for c in bucket]
+        pieces = new_node(graph, aten.split_with_sizes.default, (wait, sizes), name="bucket_pieces")
+    for i, c in enumerate(bucket):
         out = val(c.collective)
         with graph.inserting_before(first_use):
-            piece = new_node(graph, aten.slice.Tensor, (wait, 0, offset, offset + out.numel()))
+            piece = graph.call_function(operator.getitem, (pieces, i))
+            piece.meta["val"] = val(pieces)[i]
             if out.dim() != 1:
                 piece = new_node(graph, aten.view.default, (piece, list(out.shape)))
-        offset += out.numel()
         c.wait.replace_all_uses_with(piece)
         for n in c.post:
             first_use.prepend(n)
+            moved.add(n)
         graph.erase_node(c.wait)
         graph.erase_node(c.collective)
     record(PASS, f"bucketed {len(bucket)} collectives into one", coll)
@@ -179,7 +195,9 @@ def fuse_collective_casts(graph: Graph, bucket_cap_mb: float = 25.0, first_bucke
         return False
 
     buckets = _buckets(graph, candidates, bucket_cap_mb, first_bucket_cap_mb)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    moved: set[Node] = set()
     changed = False
     for bucket in buckets:
-        changed |= _merge(graph, bucket)
+        changed |= _merge(graph, bucket, order, moved)
     return changed
