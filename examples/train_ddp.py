@@ -14,8 +14,15 @@ runs disagree by more than ``--tolerance``. ``PASSES_VERIFY=1`` checks every rew
 
 from __future__ import annotations
 
+import warnings
+
+# What a newcomer should not see: torch warns at import when numpy is missing (numpy is not a
+# dependency), and Dynamo says once per rank that it ignores DDP's own profiler annotation.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
 import argparse
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -32,6 +39,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import compiled_hooks as ch
 import passes
+
+logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(
+    lambda record: "Profiler record function" not in record.getMessage())
 
 VOCAB, SEQ, BATCH = 64, 32, 16
 

@@ -14,6 +14,11 @@ losses every step and how far the final losses are apart; exits non-zero beyond
 
 from __future__ import annotations
 
+import warnings
+
+# torch warns at import when numpy is missing (numpy is not a dependency).
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
 import os
 import sys
 import time

@@ -20,6 +20,11 @@ rounding difference in a near-zero gradient into a difference of up to ``lr`` pe
 
 from __future__ import annotations
 
+import warnings
+
+# torch warns at import when numpy is missing (numpy is not a dependency).
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
 import os
 import sys
 import time
