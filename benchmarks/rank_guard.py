@@ -42,7 +42,7 @@ class Copy:
         torch.manual_seed(0)
         self.name, self.guard, self.net = name, guard, TinyTransformer()
         self.net.register_parameter("extra", torch.nn.Parameter(torch.zeros((1,) * extra_dims)))
-        self.ddp, self.model = ch.compile_ddp(self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+        _, self.model = ch.compile_ddp(self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=1e-3)
         for p in self.net.parameters():
             p.grad = torch.zeros_like(p)

@@ -84,6 +84,13 @@ class _Group:
             self.verdict = message
             self.store.add(self.key("acks"), 1)
 
+    def read_verdict(self) -> bool:
+        """Learn the verdict another rank published, if there is one."""
+        if not self.store.check([self.key("verdict")]):
+            return False
+        self.learn(self.store.get(self.key("verdict")).decode())
+        return True
+
     def error(self) -> RankDivergenceError:
         self.raised = True
         return RankDivergenceError(self.verdict)
@@ -195,8 +202,7 @@ def _exchange(group: _Group, entries: list) -> None:
                 answer = json.loads(store.get(group.key(pos, q)))
                 answers[q], how[q] = answer["entries"], answer["how"]
                 pending.remove(q)
-        if store.check([group.key("verdict")]):  # another rank found a divergence elsewhere
-            group.learn(store.get(group.key("verdict")).decode())
+        if group.read_verdict():  # another rank found a divergence elsewhere
             raise group.error()
         if pending and time.monotonic() > deadline:
             group.learn(f"rank guard: rank(s) {pending} of process group {group.name!r} did not reach collective "
@@ -226,19 +232,20 @@ def _compare(group: _Group, pos: int, answers: dict[int, list], how: dict[int, s
     every rank; None when they agree over the positions they all cover."""
     ranks = sorted(answers)
     shortest = min(len(a) for a in answers.values())
-    for i in range(max(shortest, 1)):
-        if shortest and len({json.dumps(_comparable(answers[q][i])) for q in ranks}) == 1:
-            continue
-        lines = [f"  rank {q}: {_describe(answers[q][i]) if i < len(answers[q]) else '(unknown)'}   ({how[q]})"
-                 for q in ranks]
-        running = [q for q in ranks if how[q] != _NEW]
-        issued = (f"Rank(s) {running} already issued it (a graph checked earlier) and wait in it until a "
-                  "checking rank exits (gloo) or the group is aborted (NCCL)." if running else "No rank issued it.")
-        return (f"rank guard: the ranks of process group {group.name!r} would issue different collectives. "
-                f"First difference at collective #{pos + i} on that group (counting those of guarded graphs):\n"
-                + "\n".join(lines) + f"\n{issued} Ranks that compiled different graphs (a branch on the rank "
-                "or on rank-local data, a shape that differs, a recompile on some ranks only) must not run them.")
-    return None
+    # a rank with nothing to show (it passed the position long ago) differs at the position itself
+    i = next((i for i in range(shortest) if len({json.dumps(_comparable(answers[q][i])) for q in ranks}) > 1),
+             None if shortest else 0)
+    if i is None:
+        return None
+    lines = [f"  rank {q}: {_describe(answers[q][i]) if i < len(answers[q]) else '(unknown)'}   ({how[q]})"
+             for q in ranks]
+    running = [q for q in ranks if how[q] != _NEW]
+    issued = (f"Rank(s) {running} already issued it (a graph checked earlier) and wait in it until a "
+              "checking rank exits (gloo) or the group is aborted (NCCL)." if running else "No rank issued it.")
+    return (f"rank guard: the ranks of process group {group.name!r} would issue different collectives. "
+            f"First difference at collective #{pos + i} on that group (counting those of guarded graphs):\n"
+            + "\n".join(lines) + f"\n{issued} Ranks that compiled different graphs (a branch on the rank "
+            "or on rank-local data, a shape that differs, a recompile on some ranks only) must not run them.")
 
 
 def _wait_for_acks(group: _Group) -> None:
@@ -279,8 +286,7 @@ def _poll(group: _Group) -> None:
     if events == group.events_seen and not group.open - group.answered:
         return
     group.events_seen = events
-    if store.check([group.key("verdict")]):
-        group.learn(store.get(group.key("verdict")).decode())
+    if group.read_verdict():
         log.error("%s", group.verdict)  # this rank may be blocked in a collective: say it here too
         if str(c10d.get_backend(group.pg)).lower() == "nccl":
             group.pg.abort()  # NCCL: releases a collective waiting for a rank that will not come
