@@ -34,6 +34,7 @@ differ at run time, and two agreed graphs run in different orders on different r
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import json
@@ -101,6 +102,7 @@ _groups: dict[str, Optional[_Group]] = {}
 _plans: dict[str, list[tuple[_Group, list]]] = {}  # agreed record -> its groups' entries
 _world: Optional[dist.ProcessGroup] = None  # the default group the state above belongs to
 _watchdog: Optional[threading.Thread] = None
+_stopping = threading.Event()
 
 
 def unraised_verdict() -> Optional[RankDivergenceError]:
@@ -259,14 +261,26 @@ def _wait_for_acks(group: _Group) -> None:
 def _start_watchdog() -> None:
     global _watchdog
     if _watchdog is None or not _watchdog.is_alive():
+        _stopping.clear()
         _watchdog = threading.Thread(target=_watch, name="rank-guard-watchdog", daemon=True)
         _watchdog.start()
 
 
+@atexit.register
+def _stop_watchdog() -> None:
+    """At exit, let the watchdog finish its store call first: a daemon thread still inside one
+    while the process tears the store down aborts the process ("terminate called without an
+    active exception", seen once in CI on rank 0, which hosts the TCPStore)."""
+    _stopping.set()
+    if _watchdog is not None:
+        _watchdog.join(timeout=10 * POLL_SECONDS)
+
+
 def _watch() -> None:
     dead: set = set()
-    while True:
-        time.sleep(POLL_SECONDS)
+    while not _stopping.wait(POLL_SECONDS):
+        if c10d._world.default_pg is not _world:
+            return  # the default group the watched groups belong to is gone (destroyed or replaced)
         with _lock:
             groups = [g for g in _groups.values() if g is not None and g not in dead]
         for group in groups:
