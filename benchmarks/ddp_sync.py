@@ -1,17 +1,31 @@
-"""Gradient synchronisation in DDP: eager vs compiled, with and without compression and passes.
+"""Gradient synchronisation in DDP: this project's passes against the peers they must beat.
 
-    python benchmarks/ddp_sync.py            # 2 CPU ranks over gloo, two model sizes
-    python benchmarks/ddp_sync.py --profile  # and where each step's CPU time goes
+    python benchmarks/ddp_sync.py                 # 2 CPU ranks over loopback
+    python benchmarks/ddp_sync.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
-Same model (the main example's transformer, 52 parameter tensors) and batch for every
-configuration; their steps are interleaved (one step of each in turn, the order rotated every
-step) so that machine noise hits all of them alike. Reported per configuration: median time of
-forward + backward (including gradient communication) on rank 0, its ratio to eager DDP,
-collectives per step and kernels per step:
+Models: MLPs of Linear + ReLU at batch 32, ``mlp-32x256`` (32 layers of width 256: 64 small
+tensors, backward compute longer than its gradient traffic) and ``mlp-8x1024`` (8 layers of
+width 1024: 16 tensors, 8.4M parameters, bandwidth-bound on a slow link); the main example's
+transformer as ``transformer-small`` / ``transformer-medium``. Configurations:
 
-- eager: DDP buckets (collectives) and ATen ops dispatched (kernels), counted in one step;
-- compiled: all_reduce calls and kernel launches in Inductor's output code for forward and
-  backward.
+- peers: eager DDP (fp32), eager DDP + torch's ``fp16_compress_hook``, and compiled DDP with
+  the same hook as ours plus torch's own bucketing (``torch._inductor.config
+  .bucket_all_reduces_fx = "all"``);
+- ours: compiled DDP + ``bf16_compress_hook`` with ``passes.install()`` (``default_pipeline``
+  and Inductor's scheduling kept as the passes left it), and without passes for reference;
+- compute alone: the same model compiled without DDP (no communication at all).
+
+Every configuration's steps (forward + backward with gradient synchronisation) are interleaved,
+one step of each in turn with the order rotated every step, so machine noise hits all alike.
+Per configuration, on rank 0: median step, its ratio to the best peer's median, collectives
+and bytes sent to collectives per step, and the exposed communication: time the step spends
+blocked in ``wait_tensor``, from torch.profiler over 5 steps (eager DDP waits inside its C++
+reducer, which the profiler does not attribute: "-").
+
+The bound printed under each table is what no schedule can beat: gradient traffic can start
+only in backward, so a step takes at least forward + time to the first gradient + wire time of
+every gradient byte in the wire dtype (an all_reduce of that many bf16 elements, timed on the
+same link), or the step's compute alone if that is longer.
 """
 
 from __future__ import annotations
@@ -19,72 +33,84 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_ddp import TinyTransformer, batch, loss_fn  # noqa: E402
+from train_ddp import TinyTransformer, batch  # noqa: E402
 
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
+from launch import add_link_argument, describe_link, launch  # noqa: E402
 
-SIZES = {"small": dict(dim=64, layers=4), "medium": dict(dim=256, layers=4)}
-CONFIGS = ["eager", "eager + torch fp16 hook", "compiled", "compiled + bf16 hook", "compiled + bf16 hook + passes",
-           "compiled + bf16 hook + passes (2 MB buckets)"]
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+MODELS = {"mlp-32x256": ("mlp", 256, 32), "mlp-8x1024": ("mlp", 1024, 8),
+          "transformer-small": ("transformer", 64, 4), "transformer-medium": ("transformer", 256, 4)}
+PEERS = ["eager DDP", "eager DDP + torch fp16 hook", "compiled + bf16 hook + torch bucketing"]
+OURS = ["compiled + bf16 hook + passes"]
+CONFIGS = PEERS + OURS + ["compiled + bf16 hook", "compute alone (compiled, no DDP)"]
+COLLECTIVES = ("_c10d_functional::all_reduce_", "_c10d_functional::reduce_scatter_tensor",
+               "c10d::allreduce_")
 
 
-def _code_counts(codes: list[str]) -> tuple[int, int]:
-    code = "\n".join(codes)
-    collectives = len(re.findall(r"_c10d_functional\.(?:all_reduce|reduce_scatter)\w*\.default\(", code))
-    kernels = len(re.findall(r"^\s{8}(?:cpp_fused\w*|extern_kernels\.\w+|torch\.ops\.aten\.\w+\.\w+)\(", code, re.M))
-    return collectives, kernels
+def make_model(name: str, extra_dims: int) -> tuple[nn.Module, tuple, torch.Tensor]:
+    """The model, its input and target. ``extra_dims`` adds a one-element parameter of that
+    rank: compiled autograd caches backward graphs by structure and would otherwise serve every
+    compiled configuration the graph it compiled first."""
+    kind, width, depth = MODELS[name]
+    torch.manual_seed(0)
+    if kind == "mlp":
+        net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+        g = torch.Generator().manual_seed(dist.get_rank())
+        inputs, target = (torch.randn(32, width, generator=g),), torch.randn(32, width, generator=g)
+    else:
+        net = TinyTransformer(dim=width, layers=depth)
+        tokens, target = batch(dist.get_rank(), 0, batch_size=8, seq_len=32)
+        inputs = (tokens,)
+    net.register_parameter("extra", nn.Parameter(torch.zeros((1,) * extra_dims)))
+    return net, inputs, target
+
+
+def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if target.dtype == torch.long:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return F.mse_loss(out, target)
 
 
 class Config:
-    def __init__(self, name: str, size: dict, rank: int, tokens, targets):
-        torch.manual_seed(0)
-        self.name, self.net = name, TinyTransformer(**size)
-        self.tokens, self.targets = tokens, targets
+    def __init__(self, name: str, model: str, index: int, pipeline_options: dict):
+        self.name = name
+        self.net, self.inputs, self.target = make_model(model, index + 1)
         self.times: list[float] = []
-        self.compiled = name.startswith("compiled")
-        state = ch.LowPrecisionState(dist.group.WORLD)
-        if self.compiled:
-            hook = ch.bf16_compress_hook if "bf16" in name else None
-            self.ddp, self.model = ch.compile_ddp(self.net, state, hook)
-            for p in self.net.parameters():
-                p.grad = torch.zeros_like(p)
-        else:
-            self.ddp = self.model = DistributedDataParallel(self.net)
+        self.compiled = name.startswith("compiled") or name.startswith("compute")
+        elements = sum(p.numel() for p in self.net.parameters())
+        self.wire_bytes = None
+        if name.startswith("eager"):
+            self.model = DistributedDataParallel(self.net)
             if "fp16" in name:
-                self.ddp.register_comm_hook(dist.group.WORLD, ddp_default_hooks.fp16_compress_hook)
-        self.pipeline = None
-        if "passes" in name:
-            cap = re.search(r"\((\d+) MB buckets\)", name)
-            self.pipeline = passes.default_pipeline(**({"bucket_cap_mb": float(cap.group(1))} if cap else {}))
-        self.collectives = self.kernels = None
+                self.model.register_comm_hook(dist.group.WORLD, ddp_default_hooks.fp16_compress_hook)
+            self.wire_bytes = elements * (2 if "fp16" in name else 4)  # every parameter, in DDP's buckets
+        elif name.startswith("compute"):
+            self.model = torch.compile(self.net)
+            self.wire_bytes = 0
+        else:
+            _, self.model = ch.compile_ddp(self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+        self.inductor_config = {"bucket_all_reduces_fx": "all"} if "torch bucketing" in name else {}
+        self.pipeline = passes.default_pipeline(**pipeline_options) if "passes" in name else None
+        if self.compiled:
+            for p in self.net.parameters():  # one backward graph for every step
+                p.grad = torch.zeros_like(p)
 
-    def _context(self):
+    def _context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
+        stack.enter_context(torch._inductor.config.patch(self.inductor_config))
         if self.pipeline is not None:
             stack.enter_context(passes.install(self.pipeline))
         if self.compiled:
@@ -94,111 +120,126 @@ class Config:
     def step(self) -> None:
         self.net.zero_grad(set_to_none=False)
         with self._context():
-            loss_fn(self.model, self.tokens, self.targets).backward()
+            out = self.model(*self.inputs)
+            (loss_of(out, self.target) + 0 * self.net.extra.sum()).backward()
 
-    def first_step(self) -> None:
-        """Compile (compiled configs) and count collectives and kernels."""
-        if self.compiled:
-            from torch._inductor.utils import run_and_get_code
+    def profile(self, steps: int = 5) -> None:
+        """Collectives, bytes to collectives and blocked wait time per step."""
+        from torch.profiler import ProfilerActivity, profile
 
-            _, codes = run_and_get_code(self.step)
-            self.collectives, self.kernels = _code_counts(codes)
-        else:
-            self.step()  # DDP builds its final buckets after the first iteration
-            counter = CountOps()
-            with counter:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(steps):
+                dist.barrier()
                 self.step()
-            self.kernels = counter.count
-            self.collectives = len(self.ddp._get_ddp_logging_data()["bucket_sizes"].split(","))
+        events = [e for e in prof.events() if e.name in COLLECTIVES]
+        functional = [e for e in events if e.name.startswith("_c10d_functional")]
+        self.collectives = len(functional or events) / steps
+        if self.wire_bytes is None:
+            self.wire_bytes = sum(_numel(e.input_shapes[0]) * _itemsize(e.input_dtypes[0]) for e in functional) / steps
+        waits = [e for e in prof.events() if e.name == "_c10d_functional::wait_tensor"
+                 and (e.cpu_parent is None or e.cpu_parent.name != e.name)]  # the op, not its kernel
+        self.exposed_ms = sum(e.cpu_time_total for e in waits) / 1e3 / steps if self.compiled else None
 
 
-def run_size(rank: int, size_name: str, steps: int, profile: bool) -> list[dict] | None:
-    size = SIZES[size_name]
-    tokens, targets = batch(rank, 0, batch_size=8, seq_len=32)
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}.get(dtype, 4)
+
+
+def wire_ms(elements: int, dtype: torch.dtype, reps: int = 5) -> float:
+    """Median time of an all_reduce of ``elements`` values of ``dtype`` on this group."""
+    x = torch.ones(elements, dtype=dtype)
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def first_gradient_ms(model: str, reps: int = 5) -> tuple[float, float]:
+    """Eager forward time and time from the start of backward to the first gradient
+    (post-accumulate-grad hook), medians; the compiled backward is one kernel sequence with no
+    such hook point, and eager runs the same matmuls."""
+    net, inputs, target = make_model(model, 1)
+    stamps: list[float] = []
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: stamps.append(time.perf_counter()))
+    fwd, first = [], []
+    for _ in range(reps + 1):
+        stamps.clear()
+        t0 = time.perf_counter()
+        loss = loss_of(net(*inputs), target)
+        t1 = time.perf_counter()
+        loss.backward()
+        fwd.append(t1 - t0)
+        first.append(min(stamps) - t1)
+    return statistics.median(fwd[1:]) * 1e3, statistics.median(first[1:]) * 1e3
+
+
+def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None:
     torch._dynamo.reset()
-    torch._dynamo.config.optimize_ddp = True  # eager DDP: the C++ reducer
-    configs = [Config(n, size, rank, tokens, targets) for n in CONFIGS if not n.startswith("compiled")]
-    configs += [Config(n, size, rank, tokens, targets) for n in CONFIGS if n.startswith("compiled")]
+    torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
+    names = [n for n in CONFIGS if n.startswith("eager")] + [n for n in CONFIGS if not n.startswith("eager")]
+    configs = [Config(n, model, i, pipeline_options) for i, n in enumerate(names)]
     for c in configs:
-        c.first_step()
-    for c in configs:  # one untimed round: compiled autograd builds one more graph per model here
+        c.step()  # compile; eager DDP builds its final buckets after the first iteration
+    for c in configs:  # compiled autograd may build one more graph per model on the second step
         c.step()
     for i in range(steps):
-        order = configs[i % len(configs):] + configs[: i % len(configs)]
-        for c in order:
+        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
             dist.barrier()
             t0 = time.perf_counter()
             c.step()
             c.times.append(time.perf_counter() - t0)
-    profiles = [_profile(c) for c in configs] if profile else [None] * len(configs)
+    for c in configs:
+        c.profile()
+    elements = sum(p.numel() for p in configs[0].net.parameters())
+    wire = wire_ms(elements, torch.bfloat16)
+    fwd, first = first_gradient_ms(model)
     if rank != 0:
-        return None
-    n_tensors = sum(1 for _ in configs[0].net.parameters())
-    n_params = sum(p.numel() for p in configs[0].net.parameters())
-    base = statistics.median(configs[0].times)
-    return [dict(size=f"{size_name} ({n_tensors} tensors, {n_params / 1e6:.2f}M params)", config=c.name,
-                 median_ms=statistics.median(c.times) * 1e3, ratio=statistics.median(c.times) / base,
-                 collectives=c.collectives, kernels=c.kernels, profile=prof) for c, prof in zip(configs, profiles)]
+        return
+    configs.sort(key=lambda c: CONFIGS.index(c.name))
+    median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
+    best_peer = min(PEERS, key=median.__getitem__)
+    compute = median["compute alone (compiled, no DDP)"]
+    bound = max(fwd + first + wire, compute)
+    tensors = sum(1 for _ in configs[0].net.parameters()) - 1
+    print(f"\n### {model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)\n")
+    print("| configuration | median step (ms) | vs best peer | vs bound | collectives/step | MB to collectives/step "
+          "| exposed communication (ms/step) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for c in configs:
+        exposed = "-" if c.exposed_ms is None else f"{c.exposed_ms:.1f}"
+        print(f"| {c.name} | {median[c.name]:.1f} | {median[c.name] / median[best_peer]:.2f}x "
+              f"| {median[c.name] / bound:.2f}x | {c.collectives:g} | {c.wire_bytes / 2**20:.1f} | {exposed} |")
+    print(f"\nbest peer: {best_peer}. Bound {bound:.1f} ms = max(forward {fwd:.1f} + first gradient {first:.1f} "
+          f"+ wire time of all gradients in bf16 {wire:.1f}, compute alone {compute:.1f}); forward and first "
+          f"gradient timed eagerly, wire time as one all_reduce of {elements / 1e6:.2f}M bf16 elements.")
 
 
-PROFILED = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm"),
-            "collective + wait": ("c10d::allreduce_", "_c10d_functional::wait_tensor", "_c10d_functional::all_reduce_"),
-            "compile-cache lookup": ("TorchDynamo Cache Lookup",)}
-
-
-def _profile(c: Config, steps: int = 5) -> dict[str, float]:
-    """Self CPU ms per step by category, from torch.profiler over ``steps`` steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            dist.barrier()
-            c.step()
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
-    out = {k: sum(e.self_cpu_time_total for e in events if e.key in names) / 1e3 / steps for k, names in PROFILED.items()}
-    out["other"] = total - sum(out.values())
-    return out
-
-
-def _print_table(rows: list[dict]) -> None:
-    print("| model | configuration | median step (ms) | vs eager | collectives/step | kernels/step |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['size']} | {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | {r['collectives']} "
-              f"| {r['kernels']} |")
-
-
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    rows = []
-    for size_name in args.sizes:
-        rows += run_size(rank, size_name, args.steps, args.profile) or []
+def _worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if rank == 0:
-        print(f"\n{world_size} ranks (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
-              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
-        _print_table(rows)
-        if args.profile:
-            print("\nSelf CPU time per step on rank 0 (ms), torch.profiler over 5 steps:\n")
-            print("| model | configuration | " + " | ".join(PROFILED) + " | other |")
-            print("|---|---|" + "---:|" * (len(PROFILED) + 1))
-            for r in rows:
-                print(f"| {r['size']} | {r['config']} | " + " | ".join(f"{v:.1f}" for v in r["profile"].values()) + " |")
-    dist.barrier()
-    dist.destroy_process_group()
+        print(f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per configuration, medians "
+              f"on rank 0; torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    for model in args.models:
+        run_model(rank, model, args.steps, {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--profile", action="store_true", help="also break each step's CPU time down")
-    args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, args), nprocs=2)
+    parser.add_argument("--models", nargs="+", default=["mlp-32x256", "mlp-8x1024"], choices=list(MODELS))
+    parser.add_argument("--bucket-cap-mb", type=float, help="the passes' bucket cap (default: the pipeline's)")
+    add_link_argument(parser)
+    launch(_worker, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .pipeline import Pipeline, default_pipeline, install
 from .rank_guard import RankDivergenceError
+from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update
 from .verify import PassVerificationError
 
@@ -20,6 +21,7 @@ __all__ = [
     "fold_collective_scaling",
     "fuse_collective_casts",
     "interleave_zero_broadcasts",
+    "schedule_collectives",
     "shard_weight_update",
     "insert_rank_guard",
     "RankDivergenceError",

@@ -6,6 +6,12 @@ compressed ones (the collective's input is a cast to a narrower float dtype) per
 (collective, group, reduce op, wire dtype), adjacent in collective order (any other
 collective in between separates them), up to
 ``bucket_cap_mb`` of wire bytes (``first_bucket_cap_mb`` for the first bucket, as DDP does).
+The default cap (``bucket_cap_mb=None``) is derived from the graph: a quarter of the wire
+bytes of the candidates of that kind, between ``first_bucket_cap_mb`` and 25 MB (DDP's
+default). Gradient traffic can start only once backward has produced the first bucket and
+the last bucket's wire time is exposed after the last gradient, so about four buckets keep
+the link busy from early in backward while a bandwidth-bound step waits only for the last
+quarter; a small model still gets one or two buckets.
 
 For two gradients ``a`` and ``b`` (after ``fold_collective_scaling``)::
 
@@ -42,7 +48,7 @@ is used before the bucket's last input is ready; both are counted in ``counters[
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Optional
 
 from torch.fx import Graph, Node
 
@@ -63,7 +69,25 @@ def _key(chain: Chain) -> tuple[Any, ...]:
     return (chain.collective.target, chain.group_name, chain.reduce_op, chain.wire_dtype, val(chain.collective).device)
 
 
-def _buckets(graph: Graph, candidates: dict[Node, Chain], cap_mb: float, first_cap_mb: float) -> list[list[Chain]]:
+DERIVED_BUCKETS, MAX_CAP_MB = 4, 25.0
+
+
+def _wire_bytes(chain: Chain) -> int:
+    inp = val(chain.collective.args[0])
+    return inp.numel() * inp.element_size()
+
+
+def _caps(candidates: dict[Node, Chain], cap_mb: Optional[float], first_cap_mb: float) -> dict[tuple, float]:
+    """Bucket cap in bytes per key: ``cap_mb``, or derived (see the module docstring)."""
+    total: dict[tuple, int] = {}
+    for chain in candidates.values():
+        total[_key(chain)] = total.get(_key(chain), 0) + _wire_bytes(chain)
+    if cap_mb is not None:
+        return {k: cap_mb * 2**20 for k in total}
+    return {k: min(max(t / DERIVED_BUCKETS, first_cap_mb * 2**20), MAX_CAP_MB * 2**20) for k, t in total.items()}
+
+
+def _buckets(graph: Graph, candidates: dict[Node, Chain], caps: dict[tuple, float], first_cap_mb: float) -> list[list[Chain]]:
     """Greedy in collective order: a bucket takes the next collective while it is a candidate
     of the same key, the wire bytes fit the cap and it does not depend on a member's result.
     Any other collective in between ends the bucket, so the pass never reorders collectives
@@ -99,8 +123,8 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], cap_mb: float, first_c
             if is_collective(node):  # only adjacent candidates share a bucket
                 close()
             continue
-        nbytes = val(node.args[0]).numel() * val(node.args[0]).element_size()
-        cap = (first_cap_mb if index == 0 else cap_mb) * 2**20
+        nbytes = _wire_bytes(chain)
+        cap = first_cap_mb * 2**20 if index == 0 else caps[_key(chain)]
         if current and (_key(chain) != _key(current[0]) or depends_on >= first_member or size + nbytes > cap):
             close()
         if not current:
@@ -174,11 +198,11 @@ def _merge(graph: Graph, bucket: list[Chain], order: dict[Node, int], moved: set
     return True
 
 
-def fuse_collective_casts(graph: Graph, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0) -> bool:
+def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, first_bucket_cap_mb: float = 1.0) -> bool:
     """Bucket compressed all_reduce / reduce_scatter chains (see the module docstring).
     Returns True when the graph changed."""
     check_graph(PASS, graph)
-    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+    if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_cap_mb <= 0:
         raise ValueError(f"{PASS}: bucket caps must be positive, got {bucket_cap_mb}, {first_bucket_cap_mb}")
     candidates: dict[Node, Chain] = {}
     for chain in chains(graph, PASS):
@@ -194,7 +218,7 @@ def fuse_collective_casts(graph: Graph, bucket_cap_mb: float = 25.0, first_bucke
     if len(candidates) < 2:
         return False
 
-    buckets = _buckets(graph, candidates, bucket_cap_mb, first_bucket_cap_mb)
+    buckets = _buckets(graph, candidates, _caps(candidates, bucket_cap_mb, first_bucket_cap_mb), first_bucket_cap_mb)
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved: set[Node] = set()
     changed = False

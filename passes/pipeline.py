@@ -32,11 +32,15 @@ from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .rank_guard import RankDivergenceError, unraised_verdict
+from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from ._graph import check_graph
 from .verify import check_rewrite, copy_graph
 
 GraphPass = Callable[..., bool]
+# Inductor's communication scheduling, which keeps the order schedule_collectives makes.
+KEEP_SCHEDULE = {"reorder_for_compute_comm_overlap": True,
+                 "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
@@ -149,11 +153,12 @@ class Pipeline(CustomGraphPass):
 
 def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False,
                      check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
-    """``fold_collective_scaling``, ``fuse_collective_casts``, ``interleave_zero_broadcasts``
-    (options: ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``); with
+    """``fold_collective_scaling``, ``fuse_collective_casts``, ``interleave_zero_broadcasts``,
+    ``schedule_collectives`` (options: ``avg_backends``, ``bucket_cap_mb``,
+    ``first_bucket_cap_mb``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces it
     rewrites); ``check_ranks`` as in :class:`Pipeline`."""
-    passes = [fold_collective_scaling, fuse_collective_casts, interleave_zero_broadcasts]
+    passes = [fold_collective_scaling, fuse_collective_casts, interleave_zero_broadcasts, schedule_collectives]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)
@@ -174,6 +179,13 @@ class install:
     With the guard, the context manager also re-raises the error of a rank that was blocked in a
     collective when another rank found the divergence (the backend's "connection closed" or
     timeout) as that ``RankDivergenceError``.
+
+    While installed, Inductor's scheduler keeps the communication schedule the passes made
+    (:mod:`passes.schedule_collectives`): its peak-memory ordering alone moves every wait right
+    after its collective, so ``install`` also turns on Inductor's own communication reordering
+    with ``sink_waits`` then ``raise_comms`` (``torch._inductor.config
+    .reorder_for_compute_comm_overlap[_passes]``). A process that set
+    ``reorder_for_compute_comm_overlap`` itself keeps its own setting.
     """
 
     def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None,
@@ -193,9 +205,16 @@ class install:
             )
         self.pipeline, self.previous = pipeline, previous
         inductor_config.post_grad_custom_post_pass = pipeline
+        self.scheduling = None
+        if not inductor_config.reorder_for_compute_comm_overlap:
+            self.scheduling = inductor_config.patch(KEEP_SCHEDULE)
+            self.scheduling.__enter__()
 
     def restore(self) -> None:
         inductor_config.post_grad_custom_post_pass = self.previous
+        if self.scheduling is not None:
+            self.scheduling.__exit__(None, None, None)
+            self.scheduling = None
 
     def __enter__(self) -> Pipeline:
         return self.pipeline

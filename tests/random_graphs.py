@@ -169,4 +169,4 @@ def random_case(rng: random.Random) -> Case:
 
 
 def random_options(rng: random.Random) -> dict[str, float]:
-    return {"bucket_cap_mb": rng.choice([25.0, 1e-4, 5e-4]), "first_bucket_cap_mb": rng.choice([1.0, 1e-4])}
+    return {"bucket_cap_mb": rng.choice([None, 25.0, 1e-4, 5e-4]), "first_bucket_cap_mb": rng.choice([1.0, 1e-4])}

@@ -10,6 +10,7 @@ import random
 from torch._dynamo.utils import counters
 
 import passes
+from passes.schedule_collectives import schedule_problems
 from passes.testing import graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.conftest import SUMMARY
@@ -51,6 +52,9 @@ def test_random_graphs():
                 else:
                     assert graph_str(graph) == graph_str(gm.graph), f"{context}: changed but said it did not"
                     tally["unchanged"] += 1
+                if name.startswith("default_pipeline"):
+                    problems = schedule_problems(graph)
+                    assert not problems, f"{context}: not scheduled: {problems}"
                 text = graph_str(graph)
                 assert not pipeline.run(graph) and graph_str(graph) == text, f"{context}: not idempotent"
             except AssertionError as e:

@@ -1,0 +1,139 @@
+"""Start a benchmark's two ranks: spawned over loopback, or on a bandwidth-bound link.
+
+Over loopback communication is nearly free, so gradient communication shows its cost only on a
+link with a bandwidth limit, the regime of multi-node data parallelism. ``--link RATE`` (tc rate
+syntax: ``2gbit``, ``500mbit``) runs the two ranks on one machine, each in its own network
+namespace, joined by a veth pair shaped with ``tc ... tbf`` to RATE in each direction. That
+needs root, ``ip`` and ``tc``; without them the benchmark says why and runs over loopback.
+
+    parser = argparse.ArgumentParser(); add_link_argument(parser)
+    launch(worker, parser.parse_args())   # worker(rank, world_size, args) in a gloo group
+
+``describe_link()`` is the line a benchmark prints so its table says where it was measured.
+Under torchrun (``RANK`` and ``WORLD_SIZE`` set) the launcher only joins the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
+_LINK_ENV = "BENCH_LINK"  # set in the ranks started on a shaped link: its rate
+
+
+def link_rate(text: str) -> str:
+    """argparse type: a tc rate in bits per second (``2gbit``, ``500mbit``)."""
+    if not _RATE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a rate such as 2gbit, 500mbit or 100kbit")
+    return text
+
+
+def link_bytes_per_s(rate: str) -> float:
+    number, unit = _RATE.match(rate).groups()
+    return float(number) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit] / 8
+
+
+def add_link_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--link", type=link_rate, metavar="RATE",
+                        help="run the two ranks on a link shaped to RATE (e.g. 2gbit; needs root, ip and tc)")
+
+
+def describe_link() -> str:
+    rate = os.environ.get(_LINK_ENV)
+    if rate:
+        return f"2 ranks on a {rate} link (veth pair between two network namespaces, tc tbf)"
+    return "2 ranks over loopback"
+
+
+def link_problem() -> Optional[str]:
+    """Why a shaped link cannot be set up here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found"
+    return None
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def run_on_link(rate: str, argv: list[str]) -> int:
+    """Run ``argv`` as ranks 0 and 1 on a ``rate`` link; rank 0 prints here. Returns the exit code
+    (nonzero when either rank failed; rank 1's output is then printed too)."""
+    tag = f"bl{os.getpid() % 100000}"
+    ns, dev = (f"{tag}a", f"{tag}b"), (f"v{tag}a", f"v{tag}b")
+    subnet = f"10.78.{os.getpid() % 200 + 1}"
+    addr = (f"{subnet}.1", f"{subnet}.2")
+    try:
+        for n in ns:
+            _sh("ip", "netns", "add", n)
+        _sh("ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        for n, d, a in zip(ns, dev, addr):
+            _sh("ip", "link", "set", d, "netns", n)
+            _sh("ip", "-n", n, "addr", "add", f"{a}/24", "dev", d)
+            _sh("ip", "-n", n, "link", "set", d, "up")
+            _sh("ip", "-n", n, "link", "set", "lo", "up")
+            _sh("tc", "-n", n, "qdisc", "add", "dev", d, "root", "tbf", "rate", rate, "burst", "512kb",
+                "latency", "50ms")
+        env = dict(os.environ, WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR=addr[0],
+                   MASTER_PORT="29631", **{_LINK_ENV: rate})
+        with tempfile.NamedTemporaryFile("w+", prefix="rank1-", suffix=".log") as log:
+            rank1 = subprocess.Popen(["ip", "netns", "exec", ns[1], *argv], stdout=log, stderr=subprocess.STDOUT,
+                                     env=dict(env, RANK="1", GLOO_SOCKET_IFNAME=dev[1]))
+            rc0 = subprocess.call(["ip", "netns", "exec", ns[0], *argv], env=dict(env, RANK="0",
+                                                                                   GLOO_SOCKET_IFNAME=dev[0]))
+            rc1 = rank1.wait()
+            if rc1 != 0:
+                log.seek(0)
+                print(f"rank 1 failed (exit {rc1}); its output:\n{log.read()[-6000:]}", file=sys.stderr)
+        return rc0 or rc1
+    except subprocess.CalledProcessError as e:
+        print(f"--link {rate}: could not set up the link ({' '.join(e.cmd)}: {e.stderr.strip()})", file=sys.stderr)
+        return 2
+    finally:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def _in_group(rank: int, world_size: int, port: Optional[int], worker: Callable, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # the two ranks share this machine's cores
+    if port is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        worker(dist.get_rank(), dist.get_world_size(), args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(worker: Callable[[int, int, argparse.Namespace], None], args: argparse.Namespace,
+           world_size: int = 2) -> None:
+    """Run ``worker(rank, world_size, args)`` on every rank, over ``args.link`` when given."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _in_group(-1, -1, None, worker, args)
+        return
+    if getattr(args, "link", None):
+        problem = link_problem()
+        if problem is None:
+            sys.exit(run_on_link(args.link, [sys.executable, *sys.argv]))
+        print(f"--link {args.link}: {problem}; measuring over loopback instead", flush=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_in_group, args=(world_size, port, worker, args), nprocs=world_size)
