@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
+_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
 _LINK_ENV = "BENCH_LINK"  # set in the ranks started on a shaped link: its rate
 
 
@@ -40,21 +40,17 @@ def link_rate(text: str) -> str:
     return text
 
 
-def link_bytes_per_s(rate: str) -> float:
-    number, unit = _RATE.match(rate).groups()
-    return float(number) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit] / 8
-
-
 def add_link_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", type=link_rate, metavar="RATE",
                         help="run the two ranks on a link shaped to RATE (e.g. 2gbit; needs root, ip and tc)")
 
 
 def describe_link() -> str:
+    """Where this group's ranks talk: call inside the group."""
     rate = os.environ.get(_LINK_ENV)
     if rate:
         return f"2 ranks on a {rate} link (veth pair between two network namespaces, tc tbf)"
-    return "2 ranks over loopback"
+    return f"{dist.get_world_size()} ranks over loopback"
 
 
 def link_problem() -> Optional[str]:

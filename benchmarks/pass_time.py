@@ -5,9 +5,10 @@
 Each graph is what a compiled DDP backward with ``bf16_compress_hook`` looks like to the passes
 (``tests/graphs.py``'s ``ddp_fn``: every gradient computed, then reduced by the hook), traced
 with a fake process group (no processes). For each size: the node count, every pass's time in
-``default_pipeline()`` order and the pipeline's total (median of ``--repeat`` fresh copies), and
-between the smallest and the largest graph the growth exponent ``log(t2/t1) / log(n2/n1)``
-(1.0 is linear).
+``default_pipeline()`` order and the pipeline's total, as ``Pipeline.run`` reports them in
+``counters["passes"]`` (the total includes its sort and lint; medians of ``--repeat`` fresh
+copies), and between the smallest and the largest graph the growth exponent
+``log(t2/t1) / log(n2/n1)`` (1.0 is linear).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import passes  # noqa: E402
@@ -32,23 +33,22 @@ def measure(calls: int, world_size: int, repeat: int) -> tuple[int, dict[str, fl
     fake_process_group(world_size)
     gm = trace(ddp_fn("bf16"), *ddp_args([(64,)] * calls), world_size=world_size)
     pipeline = passes.default_pipeline()
-    times: dict[str, list[float]] = {}
+    names = [p.__name__ for p in pipeline.passes] + ["pipeline"]
+    times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(repeat):
         graph = copy_graph(gm.graph)
-        for p in pipeline.passes:
-            t0 = time.perf_counter()
-            p(graph)  # the default pipeline has no options
-            times.setdefault(p.__name__, []).append(time.perf_counter() - t0)
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
-    medians["pipeline"] = sum(medians.values())
-    return len(gm.graph.nodes), medians
+        counters["passes"].clear()
+        pipeline.run(graph)
+        for name in names:
+            times[name].append(counters["passes"][f"{name}: us"] / 1e6)
+    return len(gm.graph.nodes), {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, nargs="+", default=[890, 3670])
     parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [(calls, *measure(calls, args.world_size, args.repeat)) for calls in args.calls]

@@ -1,6 +1,7 @@
 """A whole training step with a sharded optimizer: torch's ZeRO vs this project's compiled ZeRO.
 
-    python benchmarks/zero_step.py              # 2 CPU ranks over gloo
+    python benchmarks/zero_step.py                # 2 CPU ranks over loopback
+    python benchmarks/zero_step.py --link 2gbit   # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
 Same model (the main example's transformer) and batch for every configuration; their steps are
 interleaved (one step of each in turn, the order rotated every step) so that machine noise hits
@@ -24,14 +25,12 @@ import argparse
 import contextlib
 import os
 import re
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,6 +39,7 @@ from train_ddp import TinyTransformer, batch, loss_fn  # noqa: E402
 
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
+from launch import add_link_argument, describe_link, launch  # noqa: E402
 from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved  # noqa: E402
 
 LR = 1e-3
@@ -141,12 +141,10 @@ def run(rank: int, size: dict, steps: int) -> list[dict] | None:
                  diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item()) for c, f in zip(configs, flat)]
 
 
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     rows = run(rank, dict(dim=args.dim, layers=args.layers), args.steps)
     if rank == 0:
-        print(f"\n{world_size} ranks (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
+        print(f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
               f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: {rows[0]['model']}\n")
         print("| configuration | median step (ms) | vs first | collectives/step | optimizer state per rank (MB) "
               "| max parameter difference vs first |")
@@ -155,21 +153,17 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
             coll = "-" if r["collectives"] is None else r["collectives"]
             print(f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | {coll} | {r['state_mb']:.2f} "
                   f"| {r['diff']:.1e} |")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=2, help="ranks over loopback (a --link run has 2)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    add_link_argument(parser)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world_size, port, args), nprocs=args.world_size)
+    launch(_worker, args, world_size=args.world_size)
 
 
 if __name__ == "__main__":

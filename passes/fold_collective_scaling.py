@@ -41,13 +41,14 @@ from typing import Collection
 import torch
 from torch.fx import Graph
 
-from ._graph import AVG_BACKENDS, COLLECTIVES, REDUCE_SCATTER, WAIT, Chain, aten, is_op, chains, group_info, new_node, record, scale_factor
+from ._graph import (AVG_BACKENDS, COLLECTIVES, REDUCE_SCATTER, WAIT, Chain, GroupInfo, aten, chains, group_info, is_op,
+                     new_node, record, scale_factor)
 
 PASS = "fold_collective_scaling"
 FOLDABLE_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def _why_not(chain: Chain) -> str | None:
+def _why_not(chain: Chain, info: GroupInfo | None) -> str | None:
     if chain.reduce_op != "sum":
         return f"reduce op {chain.reduce_op!r} (only 'sum' is folded)"
     if chain.problem:
@@ -58,7 +59,6 @@ def _why_not(chain: Chain) -> str | None:
         return "fp16 wire dtype keeps its pre/post split (overflow)"
     if chain.wire_dtype not in FOLDABLE_WIRE_DTYPES:
         return f"wire dtype {chain.wire_dtype}"
-    info = group_info(chain.group_name)
     if info is None:
         return f"unknown process group {chain.group_name!r}"
     if chain.collective.target is REDUCE_SCATTER and chain.collective.args[2] != info.size:
@@ -71,14 +71,13 @@ def _remove(graph: Graph, node) -> None:
     graph.erase_node(node)
 
 
-def _fold(graph: Graph, chain: Chain, avg_backends: Collection[str]) -> bool:
+def _fold(graph: Graph, chain: Chain, info: GroupInfo, avg_backends: Collection[str]) -> bool:
     scales = chain.scales()
     product = Fraction(1)
     for n in scales:
         product *= scale_factor(n)
     if float(product) == 1.0:  # e.g. * 3 then * 0.333...: a scale of 1.0 would be a no-op
         product = Fraction(1)
-    info = group_info(chain.group_name)
     to_avg = info.size > 1 and product == Fraction(1, info.size) and info.backend in avg_backends
     if product != 1 and not to_avg and len(scales) < 2:
         record(PASS, "skipped: a single factor, nothing to fold", chain.collective)
@@ -105,12 +104,16 @@ def fold_collective_scaling(graph: Graph, avg_backends: Collection[str] = AVG_BA
     """Fold constant factors around sum all_reduce / reduce_scatter (see the module docstring).
     ``avg_backends``: backends trusted with reduce op avg. Returns True when the graph changed."""
     changed = False
+    infos: dict = {}  # group name -> GroupInfo, looked up once per graph
     for chain in chains(graph, PASS):
         if not chain.scales():
             continue
-        reason = _why_not(chain)
+        name = chain.group_name
+        if name not in infos:
+            infos[name] = group_info(name)
+        reason = _why_not(chain, infos[name])
         if reason is not None:
             record(PASS, f"skipped: {reason}", chain.collective)
             continue
-        changed |= _fold(graph, chain, avg_backends)
+        changed |= _fold(graph, chain, infos[name], avg_backends)
     return changed

@@ -7,11 +7,12 @@ compressed ones (the collective's input is a cast to a narrower float dtype) per
 collective in between separates them), up to
 ``bucket_cap_mb`` of wire bytes (``first_bucket_cap_mb`` for the first bucket, as DDP does).
 The default cap (``bucket_cap_mb=None``) is derived from the graph: a quarter of the wire
-bytes of the candidates of that kind, between ``first_bucket_cap_mb`` and 25 MB (DDP's
-default). Gradient traffic can start only once backward has produced the first bucket and
-the last bucket's wire time is exposed after the last gradient, so about four buckets keep
-the link busy from early in backward while a bandwidth-bound step waits only for the last
-quarter; a small model still gets one or two buckets.
+bytes of the candidates of that kind, between 2 MB and 25 MB (DDP's default). Gradient
+traffic can start only once backward has produced the first bucket and the last bucket's
+wire time is exposed after the last gradient, so about four buckets keep the link busy from
+early in backward while a bandwidth-bound step waits only for the last quarter; the 2 MB
+floor keeps each collective's fixed cost small against its wire time, so a small model gets
+one to three buckets.
 
 For two gradients ``a`` and ``b`` (after ``fold_collective_scaling``)::
 
@@ -52,7 +53,8 @@ from typing import Any, Optional
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, check_graph, is_collective, new_node, record, val
+from ._graph import (ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, check_graph, flat_value,
+                     is_collective, new_node, record, split_values, val)
 
 PASS = "fuse_collective_casts"
 
@@ -69,7 +71,7 @@ def _key(chain: Chain) -> tuple[Any, ...]:
     return (chain.collective.target, chain.group_name, chain.reduce_op, chain.wire_dtype, val(chain.collective).device)
 
 
-DERIVED_BUCKETS, MAX_CAP_MB = 4, 25.0
+DERIVED_BUCKETS, MIN_CAP_MB, MAX_CAP_MB = 4, 2.0, 25.0
 
 
 def _wire_bytes(chain: Chain) -> int:
@@ -77,17 +79,18 @@ def _wire_bytes(chain: Chain) -> int:
     return inp.numel() * inp.element_size()
 
 
-def _caps(candidates: dict[Node, Chain], cap_mb: Optional[float], first_cap_mb: float) -> dict[tuple, float]:
+def _caps(candidates: dict[Node, Chain], keys: dict[Node, tuple], cap_mb: Optional[float]) -> dict[tuple, float]:
     """Bucket cap in bytes per key: ``cap_mb``, or derived (see the module docstring)."""
     total: dict[tuple, int] = {}
-    for chain in candidates.values():
-        total[_key(chain)] = total.get(_key(chain), 0) + _wire_bytes(chain)
+    for node, chain in candidates.items():
+        total[keys[node]] = total.get(keys[node], 0) + _wire_bytes(chain)
     if cap_mb is not None:
         return {k: cap_mb * 2**20 for k in total}
-    return {k: min(max(t / DERIVED_BUCKETS, first_cap_mb * 2**20), MAX_CAP_MB * 2**20) for k, t in total.items()}
+    return {k: min(max(t / DERIVED_BUCKETS, MIN_CAP_MB * 2**20), MAX_CAP_MB * 2**20) for k, t in total.items()}
 
 
-def _buckets(graph: Graph, candidates: dict[Node, Chain], caps: dict[tuple, float], first_cap_mb: float) -> list[list[Chain]]:
+def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple], caps: dict[tuple, float],
+             first_cap_mb: float) -> list[list[Chain]]:
     """Greedy in collective order: a bucket takes the next collective while it is a candidate
     of the same key, the wire bytes fit the cap and it does not depend on a member's result.
     Any other collective in between ends the bucket, so the pass never reorders collectives
@@ -124,8 +127,8 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], caps: dict[tuple, floa
                 close()
             continue
         nbytes = _wire_bytes(chain)
-        cap = first_cap_mb * 2**20 if index == 0 else caps[_key(chain)]
-        if current and (_key(chain) != _key(current[0]) or depends_on >= first_member or size + nbytes > cap):
+        cap = first_cap_mb * 2**20 if index == 0 else caps[keys[node]]
+        if current and (keys[node] != keys[current[0].collective] or depends_on >= first_member or size + nbytes > cap):
             close()
         if not current:
             first_member = count
@@ -170,7 +173,8 @@ def _merge(graph: Graph, bucket: list[Chain], order: dict[Node, int], moved: set
                 inp = new_node(graph, aten.reshape.default, (inp, [group_size, -1] if rs else [-1]))
         flats.append(inp)
     with graph.inserting_before(insert_before):
-        flat = new_node(graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat")
+        flat_val = None if rs else flat_value(val(flats[0]), sum(val(f).numel() for f in flats))
+        flat = new_node(graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat", value=flat_val)
         if rs:
             flat = new_node(graph, aten.reshape.default, (flat, [-1]))
         rest = bucket[0].collective.args[1:]
@@ -180,7 +184,8 @@ def _merge(graph: Graph, bucket: list[Chain], order: dict[Node, int], moved: set
     with graph.inserting_before(first_use):
         wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
         sizes = [val(c.collective).numel() for c in bucket]
-        pieces = new_node(graph, aten.split_with_sizes.default, (wait, sizes), name="bucket_pieces")
+        pieces = new_node(graph, aten.split_with_sizes.default, (wait, sizes), name="bucket_pieces",
+                          value=split_values(val(wait), sizes))
     for i, c in enumerate(bucket):
         out = val(c.collective)
         with graph.inserting_before(first_use):
@@ -218,7 +223,8 @@ def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, f
     if len(candidates) < 2:
         return False
 
-    buckets = _buckets(graph, candidates, _caps(candidates, bucket_cap_mb, first_bucket_cap_mb), first_bucket_cap_mb)
+    keys = {node: _key(chain) for node, chain in candidates.items()}
+    buckets = _buckets(graph, candidates, keys, _caps(candidates, keys, bucket_cap_mb), first_bucket_cap_mb)
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved: set[Node] = set()
     changed = False

@@ -87,11 +87,21 @@ def _sink_waits(graph: Graph) -> bool:
     return True
 
 
+def _side_effects(node: Node, known: dict) -> bool:
+    """``node.is_impure()``, asked once per target (it depends only on the target here)."""
+    if node.op != "call_function":
+        return node.op not in ("placeholder", "get_attr") and node.is_impure()
+    if node.target not in known:
+        known[node.target] = node.is_impure()
+    return known[node.target]
+
+
 def _raise_collectives(graph: Graph) -> bool:
     # Positions as (index in the graph before this step, number of collectives placed there):
     # a collective moved right after node X sorts between X and X's old successor.
     pos: dict[Node, tuple[int, int]] = {n: (i, 0) for i, n in enumerate(graph.nodes)}
     barrier = None  # the latest collective or node with side effects
+    known: dict = {}
     moved = 0
     for node in list(graph.nodes):
         if is_collective(node):
@@ -103,7 +113,7 @@ def _raise_collectives(graph: Graph) -> bool:
                 moved += 1
                 record(PASS, "collective issued right after its inputs", node)
             barrier = node
-        elif node.op != "placeholder" and node.is_impure():
+        elif _side_effects(node, known):
             barrier = node
     return moved > 0
 
@@ -127,13 +137,13 @@ def schedule_problems(graph: Graph) -> list[str]:
                 problems.append(f"{wait.name} waits before {node.name}, which does not use its result")
                 break
             node = node.next
-    barrier = None
+    barrier, known = None, {}
     for node in graph.nodes:
         if is_collective(node):
             if node.prev not in node.all_input_nodes and node.prev is not barrier:
                 problems.append(f"{node.name} could be issued before {node.prev.name}")
             barrier = node
-        elif node.op != "placeholder" and node.is_impure():
+        elif _side_effects(node, known):
             barrier = node
     return problems
 

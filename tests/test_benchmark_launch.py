@@ -1,0 +1,31 @@
+"""The benchmarks' launcher: rates it accepts, and why it falls back to loopback."""
+
+import argparse
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import launch  # noqa: E402
+
+
+@pytest.mark.parametrize("rate", ["2gbit", "500mbit", "100kbit", "1.5gbit", "800bit"])
+def test_rates(rate):
+    assert launch.link_rate(rate) == rate
+
+
+@pytest.mark.parametrize("rate", ["2gbps", "2G", "fast", "-1gbit", ""])
+def test_bad_rate_is_refused(rate):
+    parser = argparse.ArgumentParser()
+    launch.add_link_argument(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--link", rate])
+
+
+def test_says_why_it_cannot_shape(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert launch.link_problem() == "network namespaces need root"
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(launch.shutil, "which", lambda tool: None if tool == "tc" else f"/sbin/{tool}")
+    assert launch.link_problem() == "tc not found"
