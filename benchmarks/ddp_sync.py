@@ -20,7 +20,9 @@ one step of each in turn with the order rotated every step, so machine noise hit
 Per configuration, on rank 0: median step, its ratio to the best peer's median, collectives
 and bytes sent to collectives per step, and the exposed communication: time the step spends
 blocked in ``wait_tensor``, from torch.profiler over 5 steps (eager DDP waits inside its C++
-reducer, which the profiler does not attribute: "-").
+reducer, which the profiler does not attribute: "-"), and the time in matmuls per step from the
+same profile (the same matmuls in every configuration: more time means the cores were busy
+with something else, such as the collectives' own copies, reductions and socket traffic).
 
 The bound printed under each table is what no schedule can beat: gradient traffic can start
 only in backward, so a step takes at least forward + time to the first gradient + wire time of
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -56,6 +59,7 @@ MODELS = {"mlp-32x256": ("mlp", 256, 32), "mlp-8x1024": ("mlp", 1024, 8),
 PEERS = ["eager DDP", "eager DDP + torch fp16 hook", "compiled + bf16 hook + torch bucketing"]
 OURS = ["compiled + bf16 hook + passes"]
 CONFIGS = PEERS + OURS + ["compiled + bf16 hook", "compute alone (compiled, no DDP)"]
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 COLLECTIVES = ("_c10d_functional::all_reduce_", "_c10d_functional::reduce_scatter_tensor",
                "c10d::allreduce_")
 
@@ -139,6 +143,7 @@ class Config:
         waits = [e for e in prof.events() if e.name == "_c10d_functional::wait_tensor"
                  and (e.cpu_parent is None or e.cpu_parent.name != e.name)]  # the op, not its kernel
         self.exposed_ms = sum(e.cpu_time_total for e in waits) / 1e3 / steps if self.compiled else None
+        self.matmul_ms = sum(e.cpu_time_total for e in prof.events() if e.name in MATMULS) / 1e3 / steps
 
 
 def _numel(shape: list[int]) -> int:
@@ -152,16 +157,18 @@ def _itemsize(dtype: str) -> int:
     return {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}.get(dtype, 4)
 
 
-def wire_ms(elements: int, dtype: torch.dtype, reps: int = 5) -> float:
-    """Median time of an all_reduce of ``elements`` values of ``dtype`` on this group."""
+def wire_ms(elements: int, dtype: torch.dtype, reps: int = 5) -> tuple[float, float]:
+    """Median wall time of an all_reduce of ``elements`` values of ``dtype`` on this group, and
+    the CPU time this process (all its threads) spent meanwhile."""
     x = torch.ones(elements, dtype=dtype)
-    times = []
+    wall, cpu = [], []
     for _ in range(reps + 1):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dist.all_reduce(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * 1e3
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall[1:]) * 1e3, statistics.median(cpu[1:]) * 1e3
 
 
 def first_gradient_ms(model: str, reps: int = 5) -> tuple[float, float]:
@@ -190,9 +197,11 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
     names = [n for n in CONFIGS if n.startswith("eager")] + [n for n in CONFIGS if not n.startswith("eager")]
     configs = [Config(n, model, i, pipeline_options) for i, n in enumerate(names)]
     for c in configs:
+        counters["passes"].clear()
+        t0 = time.perf_counter()
         c.step()  # compile; eager DDP builds its final buckets after the first iteration
-    for c in configs:  # compiled autograd may build one more graph per model on the second step
-        c.step()
+        c.step()  # compiled autograd may build one more graph per model on the second step
+        c.compile_s, c.passes_s = time.perf_counter() - t0, counters["passes"]["pipeline: us"] / 1e6
     for i in range(steps):
         for c in configs[i % len(configs):] + configs[: i % len(configs)]:
             dist.barrier()
@@ -202,7 +211,7 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
     for c in configs:
         c.profile()
     elements = sum(p.numel() for p in configs[0].net.parameters())
-    wire = wire_ms(elements, torch.bfloat16)
+    wire, wire_cpu = wire_ms(elements, torch.bfloat16)
     fwd, first = first_gradient_ms(model)
     if rank != 0:
         return
@@ -214,15 +223,20 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
     tensors = sum(1 for _ in configs[0].net.parameters()) - 1
     print(f"\n### {model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)\n")
     print("| configuration | median step (ms) | vs best peer | vs bound | collectives/step | MB to collectives/step "
-          "| exposed communication (ms/step) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "| exposed communication (ms/step) | matmuls (ms/step) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for c in configs:
         exposed = "-" if c.exposed_ms is None else f"{c.exposed_ms:.1f}"
         print(f"| {c.name} | {median[c.name]:.1f} | {median[c.name] / median[best_peer]:.2f}x "
-              f"| {median[c.name] / bound:.2f}x | {c.collectives:g} | {c.wire_bytes / 2**20:.1f} | {exposed} |")
-    print(f"\nbest peer: {best_peer}. Bound {bound:.1f} ms = max(forward {fwd:.1f} + first gradient {first:.1f} "
+              f"| {median[c.name] / bound:.2f}x | {c.collectives:g} | {c.wire_bytes / 2**20:.1f} | {exposed} "
+              f"| {c.matmul_ms:.1f} |")
+    ours = next(c for c in configs if c.name in OURS)
+    print(f"\nthe passes took {ours.passes_s * 1e3:.0f} ms of the {ours.compile_s:.1f} s its first two steps took "
+          f"(compile included; {ours.passes_s / ours.compile_s:.1%}; 0 when Inductor served the graphs from its cache).")
+    print(f"best peer: {best_peer}. Bound {bound:.1f} ms = max(forward {fwd:.1f} + first gradient {first:.1f} "
           f"+ wire time of all gradients in bf16 {wire:.1f}, compute alone {compute:.1f}); forward and first "
-          f"gradient timed eagerly, wire time as one all_reduce of {elements / 1e6:.2f}M bf16 elements.")
+          f"gradient timed eagerly, wire time as one all_reduce of {elements / 1e6:.2f}M bf16 elements, which also "
+          f"took {wire_cpu:.1f} ms of CPU time in each rank's process.")
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> None:

@@ -39,9 +39,9 @@ from ._graph import check_graph
 from .verify import check_rewrite, copy_graph
 
 GraphPass = Callable[..., bool]
-# Inductor's communication scheduling, which keeps the order schedule_collectives makes.
+# Inductor's communication scheduling, which keeps the waits where schedule_collectives put them.
 KEEP_SCHEDULE = {"reorder_for_compute_comm_overlap": True,
-                 "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
+                 "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
@@ -219,9 +219,11 @@ class install:
     While installed, Inductor's scheduler keeps the communication schedule the passes made
     (:mod:`passes.schedule_collectives`): its peak-memory ordering alone moves every wait right
     after its collective, so ``install`` also turns on Inductor's own communication reordering
-    with ``sink_waits`` then ``raise_comms`` (``torch._inductor.config
+    with its ``sink_waits`` pass (``torch._inductor.config
     .reorder_for_compute_comm_overlap[_passes]``). A process that set
-    ``reorder_for_compute_comm_overlap`` itself keeps its own setting.
+    ``reorder_for_compute_comm_overlap`` itself keeps its own setting. (Inductor's
+    ``raise_comms`` would issue collectives ahead of nodes they do not depend on, the
+    rank-divergence guard's check among them.)
     """
 
     def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None,
