@@ -246,12 +246,15 @@ def flat_value(like: torch.Tensor, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
-def split_values(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def split_values(flat: torch.Tensor, sizes: list[int]) -> Optional[list[torch.Tensor]]:
     """The fake values of ``split_with_sizes(flat, sizes)`` for a contiguous 1-D fake ``flat``:
-    views of its storage at the pieces' offsets, as the op gives. Computed on a plain meta
-    tensor over the same storage and wrapped once each; the fake kernel takes ~0.15 ms per
-    piece, which for a bucket of thousands of members was most of the pass's time."""
-    mode = flat.fake_mode
+    views of its storage at the pieces' offsets, as the op gives (None for any other ``flat``:
+    let the fake kernel do it). Computed on a plain meta tensor over the same storage and
+    wrapped once each; the fake kernel takes ~0.15 ms per piece, which for a bucket of
+    thousands of members was most of the pass's time."""
+    mode = getattr(flat, "fake_mode", None)
+    if mode is None or flat.dim() != 1 or not flat.is_contiguous() or sum(sizes) != flat.numel():
+        return None
     base = torch.empty((0,), dtype=flat.dtype, device="meta")
     base.set_(flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
     return [mode.fake_tensor_converter.from_meta_and_device(mode, piece, flat.device)

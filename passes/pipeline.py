@@ -124,8 +124,12 @@ class Pipeline(CustomGraphPass):
         time adds to ``counters["passes"]["<pass>: us"]``, the whole run's (sort and lint
         included) to ``counters["passes"]["pipeline: us"]``."""
         check_graph("Pipeline", graph)
+        # Without the cyclic garbage collector: the passes allocate many small objects (nodes,
+        # fake tensors) and free almost none, so every collection they trigger is wasted work
+        # that walks the whole compiling process's heap (Inductor's graphs and fake tensors),
+        # which made the pass time grow faster than the graph.
         gc_was_enabled = gc.isenabled()
-        gc.disable()  # see _run
+        gc.disable()
         try:
             return self._run(graph)
         finally:
@@ -133,10 +137,6 @@ class Pipeline(CustomGraphPass):
                 gc.enable()
 
     def _run(self, graph: Graph) -> bool:
-        # Without the cyclic garbage collector: the passes allocate many small objects (nodes,
-        # fake tensors) and free almost none, so every collection they trigger is wasted work
-        # that walks the whole compiling process's heap (Inductor's graphs and fake tensors),
-        # which made the pass time grow faster than the graph.
         started = time.perf_counter()
         # Inductor's own DDP pass (schedule_comm_wait) can hand over a graph whose nodes are not
         # in topological order (Inductor sorts only after the custom pass); sort it first, the

@@ -98,3 +98,33 @@ def test_an_unsorted_graph_is_sorted_before_the_passes():
         gm.graph.lint()
     assert default_pipeline().run(gm.graph)
     gm.graph.lint()
+
+
+def test_install_keeps_the_communication_schedule_unless_the_process_set_its_own():
+    assert not inductor_config.reorder_for_compute_comm_overlap
+    with install():
+        assert inductor_config.reorder_for_compute_comm_overlap
+        assert inductor_config.reorder_for_compute_comm_overlap_passes == ["sink_waits"]
+        with install(Pipeline([fold_collective_scaling])):
+            assert inductor_config.reorder_for_compute_comm_overlap_passes == ["sink_waits"]
+        assert inductor_config.reorder_for_compute_comm_overlap
+    assert not inductor_config.reorder_for_compute_comm_overlap
+    assert inductor_config.reorder_for_compute_comm_overlap_passes == []
+    own = ["sink_waits_iterative"]
+    with inductor_config.patch(reorder_for_compute_comm_overlap=True, reorder_for_compute_comm_overlap_passes=own):
+        with install():
+            assert inductor_config.reorder_for_compute_comm_overlap_passes == own
+
+
+def test_run_reports_pass_times():
+    from passes.testing import trace
+    from tests.graphs import ddp_args, ddp_fn
+
+    fake_process_group(2)
+    gm = trace(ddp_fn("bf16"), *ddp_args([(8,), (4, 2)]), world_size=2)
+    counters["passes"].clear()
+    pipeline = default_pipeline()
+    assert pipeline.run(gm.graph)
+    times = {k: v for k, v in counters["passes"].items() if k.endswith(": us")}
+    assert set(times) == {f"{p.__name__}: us" for p in pipeline.passes} | {"pipeline: us"}
+    assert 0 < sum(v for k, v in times.items() if k != "pipeline: us") <= times["pipeline: us"]
