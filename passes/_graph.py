@@ -44,6 +44,7 @@ MUL_OPS = (aten.mul.Tensor, aten.mul.Scalar)
 DIV_OPS = (aten.div.Tensor, aten.div.Scalar)
 CAST_OPS = (prims.convert_element_type.default, aten._to_copy.default)
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+SCALE_OPS = MUL_OPS + DIV_OPS
 
 # Backends whose all_reduce / reduce_scatter implement ReduceOp.AVG (checked on torch 2.13).
 # "fake" is the test backend: it performs no communication.
@@ -73,7 +74,7 @@ def val(node: Node) -> Any:
 def scale_factor(node: Node) -> Optional[Fraction]:
     """The exact factor ``node`` multiplies its first argument by, or None if it is no
     constant scale (a tensor factor, a rounding mode, a non-finite or zero factor)."""
-    if not is_op(node, MUL_OPS + DIV_OPS) or node.kwargs or len(node.args) != 2:
+    if not is_op(node, SCALE_OPS) or node.kwargs or len(node.args) != 2:
         return None
     c = node.args[1]
     if isinstance(c, bool) or not isinstance(c, (int, float)) or c == 0 or c != c or abs(c) == float("inf"):
@@ -88,7 +89,7 @@ def _factor(c: float, multiplies: bool) -> Fraction:
 
 
 def is_scale(node: Any) -> bool:
-    return is_op(node, MUL_OPS + DIV_OPS)
+    return is_op(node, SCALE_OPS)
 
 
 def cast_dtype(node: Node) -> Optional[torch.dtype]:
