@@ -67,24 +67,23 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+class LinkUnavailable(RuntimeError):
+    """The shaped link could not be set up (the message says which command failed)."""
+
+
 def run_on_link(rate: str, argv: list[str]) -> int:
     """Run ``argv`` as ranks 0 and 1 on a ``rate`` link; rank 0 prints here. Returns the exit code
-    (nonzero when either rank failed; rank 1's output is then printed too)."""
+    (nonzero when either rank failed; rank 1's output is then printed too). Raises
+    ``LinkUnavailable`` when the namespaces, the veth pair or the shaping cannot be made."""
     tag = f"bl{os.getpid() % 100000}"
     ns, dev = (f"{tag}a", f"{tag}b"), (f"v{tag}a", f"v{tag}b")
     subnet = f"10.78.{os.getpid() % 200 + 1}"
     addr = (f"{subnet}.1", f"{subnet}.2")
     try:
-        for n in ns:
-            _sh("ip", "netns", "add", n)
-        _sh("ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
-        for n, d, a in zip(ns, dev, addr):
-            _sh("ip", "link", "set", d, "netns", n)
-            _sh("ip", "-n", n, "addr", "add", f"{a}/24", "dev", d)
-            _sh("ip", "-n", n, "link", "set", d, "up")
-            _sh("ip", "-n", n, "link", "set", "lo", "up")
-            _sh("tc", "-n", n, "qdisc", "add", "dev", d, "root", "tbf", "rate", rate, "burst", "512kb",
-                "latency", "50ms")
+        try:
+            _make_link(rate, ns, dev, addr)
+        except subprocess.CalledProcessError as e:
+            raise LinkUnavailable(f"{' '.join(e.cmd)}: {e.stderr.strip()}") from None
         env = dict(os.environ, WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR=addr[0],
                    MASTER_PORT="29631", **{_LINK_ENV: rate})
         with tempfile.NamedTemporaryFile("w+", prefix="rank1-", suffix=".log") as log:
@@ -97,12 +96,21 @@ def run_on_link(rate: str, argv: list[str]) -> int:
                 log.seek(0)
                 print(f"rank 1 failed (exit {rc1}); its output:\n{log.read()[-6000:]}", file=sys.stderr)
         return rc0 or rc1
-    except subprocess.CalledProcessError as e:
-        print(f"--link {rate}: could not set up the link ({' '.join(e.cmd)}: {e.stderr.strip()})", file=sys.stderr)
-        return 2
     finally:
         for n in ns:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def _make_link(rate: str, ns: tuple[str, str], dev: tuple[str, str], addr: tuple[str, str]) -> None:
+    for n in ns:
+        _sh("ip", "netns", "add", n)
+    _sh("ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+    for n, d, a in zip(ns, dev, addr):
+        _sh("ip", "link", "set", d, "netns", n)
+        _sh("ip", "-n", n, "addr", "add", f"{a}/24", "dev", d)
+        _sh("ip", "-n", n, "link", "set", d, "up")
+        _sh("ip", "-n", n, "link", "set", "lo", "up")
+        _sh("tc", "-n", n, "qdisc", "add", "dev", d, "root", "tbf", "rate", rate, "burst", "512kb", "latency", "50ms")
 
 
 def _in_group(rank: int, world_size: int, port: Optional[int], worker: Callable, args: argparse.Namespace) -> None:
@@ -127,7 +135,10 @@ def launch(worker: Callable[[int, int, argparse.Namespace], None], args: argpars
     if getattr(args, "link", None):
         problem = link_problem()
         if problem is None:
-            sys.exit(run_on_link(args.link, [sys.executable, *sys.argv]))
+            try:
+                sys.exit(run_on_link(args.link, [sys.executable, *sys.argv]))
+            except LinkUnavailable as e:
+                problem = f"could not set up the link ({e})"
         print(f"--link {args.link}: {problem}; measuring over loopback instead", flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -73,10 +73,11 @@ def _sink_waits(graph: Graph) -> bool:
     for node in nodes:
         if node in moving:
             continue
-        runs = held.get(node, [])
-        reads = {n: i for i, n in enumerate(node.all_input_nodes)}
-        for run in sorted(runs, key=lambda r: reads.get(r[-1], len(reads))):
-            final.extend(run)
+        runs = held.get(node)
+        if runs:
+            reads = {n: i for i, n in enumerate(node.all_input_nodes)}
+            for run in sorted(runs, key=lambda r: reads[r[-1]]):
+                final.extend(run)
         final.append(node)
     if final == nodes:
         return False
@@ -129,7 +130,7 @@ def schedule_problems(graph: Graph) -> list[str]:
         if is_op(node, (WAIT,)) and is_collective(node.args[0]):
             for n in _post(node):
                 runs[n] = node
-    for wait in set(runs.values()):
+    for wait in dict.fromkeys(runs.values()):
         end = _post(wait)[-1]
         node = end.next
         while node.op != "root" and node not in end.users:
