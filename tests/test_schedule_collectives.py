@@ -10,7 +10,7 @@ from torch.distributed._functional_collectives import all_reduce
 
 import compiled_hooks as ch
 import passes
-from passes import fold_collective_scaling, fuse_collective_casts, schedule_collectives
+from passes import fold_collective_scaling, schedule_collectives
 from passes.schedule_collectives import schedule_problems
 from passes.testing import graph_str, trace
 from passes.verify import check_rewrite, copy_graph
