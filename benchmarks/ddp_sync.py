@@ -239,12 +239,13 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
           f"took {wire_cpu:.1f} ms of CPU time in each rank's process.")
 
 
-def _worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if rank == 0:
         print(f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per configuration, medians "
               f"on rank 0; torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
     for model in args.models:
         run_model(rank, model, args.steps, {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {})
+    return True
 
 
 def main() -> None:
@@ -253,6 +254,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp-32x256", "mlp-8x1024"], choices=list(MODELS))
     parser.add_argument("--bucket-cap-mb", type=float, help="the passes' bucket cap (default: the pipeline's)")
     add_link_argument(parser)
+    parser.set_defaults(world_size=2)
     launch(_worker, parser.parse_args())
 
 

@@ -6,11 +6,13 @@ syntax: ``2gbit``, ``500mbit``) runs the two ranks on one machine, each in its o
 namespace, joined by a veth pair shaped with ``tc ... tbf`` to RATE in each direction. That
 needs root, ``ip`` and ``tc``; without them the benchmark says why and runs over loopback.
 
-    parser = argparse.ArgumentParser(); add_link_argument(parser)
-    launch(worker, parser.parse_args())   # worker(rank, world_size, args) in a gloo group
+    parser = argparse.ArgumentParser(); add_link_argument(parser); parser.set_defaults(world_size=2)
+    launch(worker, parser.parse_args())   # worker(rank, world_size, args) -> bool in a gloo group
 
 ``describe_link()`` is the line a benchmark prints so its table says where it was measured.
-Under torchrun (``RANK`` and ``WORLD_SIZE`` set) the launcher only joins the group.
+The group itself is the examples' (``examples/train_ddp.py``'s ``launch``): under torchrun, or
+on the link, each rank joins from the environment; otherwise ``args.world_size`` ranks are
+spawned over loopback. A worker returning False makes its process exit with code 1.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import argparse
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train_ddp import launch as launch_ranks  # noqa: E402
 
 _RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
 _LINK_ENV = "BENCH_LINK"  # set in the ranks started on a shaped link: its rate
@@ -113,26 +116,9 @@ def _make_link(rate: str, ns: tuple[str, str], dev: tuple[str, str], addr: tuple
         _sh("tc", "-n", n, "qdisc", "add", "dev", d, "root", "tbf", "rate", rate, "burst", "512kb", "latency", "50ms")
 
 
-def _in_group(rank: int, world_size: int, port: Optional[int], worker: Callable, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)  # the two ranks share this machine's cores
-    if port is None:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        worker(dist.get_rank(), dist.get_world_size(), args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(worker: Callable[[int, int, argparse.Namespace], None], args: argparse.Namespace,
-           world_size: int = 2) -> None:
+def launch(worker: Callable[[int, int, argparse.Namespace], bool], args: argparse.Namespace) -> None:
     """Run ``worker(rank, world_size, args)`` on every rank, over ``args.link`` when given."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _in_group(-1, -1, None, worker, args)
-        return
-    if getattr(args, "link", None):
+    if "RANK" not in os.environ and getattr(args, "link", None):
         problem = link_problem()
         if problem is None:
             try:
@@ -140,7 +126,5 @@ def launch(worker: Callable[[int, int, argparse.Namespace], None], args: argpars
             except LinkUnavailable as e:
                 problem = f"could not set up the link ({e})"
         print(f"--link {args.link}: {problem}; measuring over loopback instead", flush=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_in_group, args=(world_size, port, worker, args), nprocs=world_size)
+    torch.set_num_threads(1)  # the two ranks share this machine's cores (spawned ranks set it too)
+    launch_ranks(worker, args)

@@ -141,7 +141,7 @@ def run(rank: int, size: dict, steps: int) -> list[dict] | None:
                  diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item()) for c, f in zip(configs, flat)]
 
 
-def _worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     rows = run(rank, dict(dim=args.dim, layers=args.layers), args.steps)
     if rank == 0:
         print(f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
@@ -153,6 +153,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
             coll = "-" if r["collectives"] is None else r["collectives"]
             print(f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | {coll} | {r['state_mb']:.2f} "
                   f"| {r['diff']:.1e} |")
+    return True
 
 
 def main() -> None:
@@ -162,8 +163,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     add_link_argument(parser)
-    args = parser.parse_args()
-    launch(_worker, args, world_size=args.world_size)
+    launch(_worker, parser.parse_args())
 
 
 if __name__ == "__main__":
