@@ -4,7 +4,7 @@ The gradient-communication hooks of ``torch.distributed.algorithms._comm_hooks.d
 rewritten with functional collectives, so ``torch.compile`` traces them without graph breaks.
 """
 
-from . import fsdp, zero
+from . import fsdp, powersgd, zero
 from .ddp import compile_ddp, compiled_autograd, ddp_comm_hook
 from .grad_scaler import ShardedGradScaler
 from .hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
@@ -21,6 +21,7 @@ __all__ = [
     "compile_ddp",
     "compiled_autograd",
     "fsdp",
+    "powersgd",
     "ShardedGradScaler",
     "zero",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,6 +36,9 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     ``GradBucket`` it runs ``hook`` on the bucket's flat buffer and returns a completed future
     of it; with ``(grad, param)`` (python reducer) it runs ``hook`` on ``grad`` in place.
     Hooks that need an ``output`` shard (``reduce_scatter_hook``) are refused: DDP all-reduces.
+    A hook with a keyword parameter ``param`` keeps state per parameter
+    (:func:`compiled_hooks.powersgd.powerSGD_hook`): it is called once per gradient with its
+    parameter, in both modes (on each of a bucket's gradients, views of the bucket's buffer).
     """
     if not callable(hook):
         raise TypeError(f"ddp_comm_hook: hook must be callable, got {type(hook).__name__}.")
@@ -45,14 +49,23 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
             "do not apply."
         )
 
+    per_parameter = "param" in inspect.signature(hook).parameters
+
     # No annotations (and no functools.wraps, which would copy the hook's): DDP accepts only
     # GradBucket / Future[Tensor] ones, and this wrapper also takes (grad, param) tuples.
     def ddp_hook(state, bucket):
         if isinstance(bucket, tuple):  # python reducer: (param.grad, param)
-            hook(state, bucket[0])
+            if per_parameter:
+                hook(state, bucket[0], param=bucket[1])
+            else:
+                hook(state, bucket[0])
             return None
         buffer = bucket.buffer()
-        hook(state, buffer)
+        if per_parameter:  # the bucket's gradients are views of its buffer
+            for grad, param in zip(bucket.gradients(), bucket.parameters()):
+                hook(state, grad, param=param)
+        else:
+            hook(state, buffer)
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buffer)
         return fut

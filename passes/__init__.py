@@ -7,6 +7,7 @@ depends on the rank. ``install()`` registers a :class:`Pipeline` of them with In
 """
 
 from . import testing
+from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
@@ -20,6 +21,7 @@ from .verify import PassVerificationError
 __all__ = [
     "fold_collective_scaling",
     "fuse_collective_casts",
+    "bucket_low_rank_factors",
     "interleave_zero_broadcasts",
     "schedule_collectives",
     "shard_weight_update",

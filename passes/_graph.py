@@ -23,6 +23,7 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 
 import compiled_hooks.group_rank  # noqa: F401 - registers torch.ops.compiled_hooks.group_rank
+import compiled_hooks.powersgd  # noqa: F401 - registers torch.ops.compiled_hooks.powersgd_count
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.fx import Graph, Node
@@ -38,6 +39,7 @@ ALL_GATHER = c10d_ops.all_gather_into_tensor.default
 BROADCAST = c10d_ops.broadcast.default
 WAIT = c10d_ops.wait_tensor.default
 GROUP_RANK = torch.ops.compiled_hooks.group_rank.default  # this rank, read at run time
+POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default  # PowerSGD's step counter (side effect)
 COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER)
 
 MUL_OPS = (aten.mul.Tensor, aten.mul.Scalar)
@@ -105,8 +107,13 @@ def cast_dtype(node: Node) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
+_CHAIN_TARGETS = frozenset(SCALE_OPS + VIEW_OPS)
+
+
 def is_chain_op(node: Any) -> bool:
-    return isinstance(node, Node) and (is_scale(node) or cast_dtype(node) is not None or is_op(node, VIEW_OPS))
+    if not isinstance(node, Node) or node.op != "call_function":
+        return False
+    return node.target in _CHAIN_TARGETS or cast_dtype(node) is not None
 
 
 @dataclasses.dataclass
@@ -118,6 +125,7 @@ class Chain:
     start: Node  # the value the hook started from
     pre: list[Node]  # start -> ... -> collective input, in data-flow order
     post: list[Node]  # wait -> ... -> end, in data-flow order (wait excluded)
+    factors: tuple  # scale_factor() of each of scales(), in order (None for a non-constant one)
     problem: Optional[str] = None  # why the chain must not be rewritten
 
     @property
@@ -169,10 +177,14 @@ def match_chain(collective: Node) -> Optional[Chain]:
         node = user
     if len(node.users) > 1 and any(is_scale(u) for u in node.users):
         problem = problem or f"intermediate {node.name} has another user"
+    factors = []
     for n in pre + post:
-        if is_scale(n) and scale_factor(n) is None:
-            problem = problem or f"non-constant factor at {n.name}"
-    return Chain(collective, wait, start, pre, post, problem)
+        if n.target in SCALE_OPS:
+            factor = scale_factor(n)
+            if factor is None:
+                problem = problem or f"non-constant factor at {n.name}"
+            factors.append(factor)
+    return Chain(collective, wait, start, pre, post, tuple(factors), problem)
 
 
 def check_graph(pass_name: str, graph: Any) -> None:

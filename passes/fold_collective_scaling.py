@@ -35,6 +35,7 @@ wire dtype, with one rounding fewer than before.
 
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 from typing import Collection
 
@@ -42,7 +43,7 @@ import torch
 from torch.fx import Graph
 
 from ._graph import (AVG_BACKENDS, COLLECTIVES, REDUCE_SCATTER, WAIT, Chain, GroupInfo, aten, chains, group_info, is_op,
-                     new_node, record, scale_factor)
+                     new_node, record)
 
 PASS = "fold_collective_scaling"
 FOLDABLE_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -71,13 +72,19 @@ def _remove(graph: Graph, node) -> None:
     graph.erase_node(node)
 
 
-def _fold(graph: Graph, chain: Chain, info: GroupInfo, avg_backends: Collection[str]) -> bool:
-    scales = chain.scales()
+@functools.lru_cache(maxsize=256)
+def _product(factors: tuple[Fraction, ...]) -> Fraction:
+    """A graph's chains repeat a few factor lists (one per hook): each product is made once."""
     product = Fraction(1)
-    for n in scales:
-        product *= scale_factor(n)
+    for f in factors:
+        product *= f
     if float(product) == 1.0:  # e.g. * 3 then * 0.333...: a scale of 1.0 would be a no-op
         product = Fraction(1)
+    return product
+
+
+def _fold(graph: Graph, chain: Chain, scales: list, info: GroupInfo, avg_backends: Collection[str]) -> bool:
+    product = _product(chain.factors)
     to_avg = info.size > 1 and product == Fraction(1, info.size) and info.backend in avg_backends
     if product != 1 and not to_avg and len(scales) < 2:
         record(PASS, "skipped: a single factor, nothing to fold", chain.collective)
@@ -106,7 +113,8 @@ def fold_collective_scaling(graph: Graph, avg_backends: Collection[str] = AVG_BA
     changed = False
     infos: dict = {}  # group name -> GroupInfo, looked up once per graph
     for chain in chains(graph, PASS):
-        if not chain.scales():
+        scales = chain.scales()
+        if not scales:
             continue
         name = chain.group_name
         if name not in infos:
@@ -115,5 +123,5 @@ def fold_collective_scaling(graph: Graph, avg_backends: Collection[str] = AVG_BA
         if reason is not None:
             record(PASS, f"skipped: {reason}", chain.collective)
             continue
-        changed |= _fold(graph, chain, infos[name], avg_backends)
+        changed |= _fold(graph, chain, scales, infos[name], avg_backends)
     return changed

@@ -28,6 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
+from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
@@ -189,12 +190,13 @@ class Pipeline(CustomGraphPass):
 
 def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False,
                      check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
-    """``fold_collective_scaling``, ``fuse_collective_casts``, ``interleave_zero_broadcasts``,
-    ``schedule_collectives`` (options: ``avg_backends``, ``bucket_cap_mb``,
-    ``first_bucket_cap_mb``); with
+    """``fold_collective_scaling``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
+    ``interleave_zero_broadcasts``, ``schedule_collectives`` (options: ``avg_backends``,
+    ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces it
     rewrites); ``check_ranks`` as in :class:`Pipeline`."""
-    passes = [fold_collective_scaling, fuse_collective_casts, interleave_zero_broadcasts, schedule_collectives]
+    passes = [fold_collective_scaling, fuse_collective_casts, bucket_low_rank_factors, interleave_zero_broadcasts,
+              schedule_collectives]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)

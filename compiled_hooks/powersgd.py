@@ -1,0 +1,310 @@
+"""PowerSGD gradient compression (Vogels et al., NeurIPS 2019), compile-native.
+
+Same names, hyperparameters and algorithm as
+``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``; what differs is how it is
+built: every collective is a functional collective and every result is written back with
+``copy_``, so compiled autograd traces the hook into the compiled backward with no graph
+break, and :mod:`passes` bucket the small P and Q all_reduces of many parameters.
+
+Per gradient ``M`` (viewed as ``n x m``, ``n = grad.shape[0]``), once compression has started
+and when ``(n + m) * r * min_compression_rate < n * m`` (``r`` = the approximation rank)::
+
+    M = M + error                       (use_error_feedback)
+    Q = orthogonalize(Q)                (Q: the last step's, if warm_start, else a new random one)
+    P = all_reduce(M @ Q, sum); P = orthogonalize(P)
+    Q = all_reduce(M.T @ P, sum) / N
+    grad = P @ Q.T;  error = M - P @ Q.T;  keep Q  (warm_start)
+
+Every other gradient (vectors, small matrices), and every gradient before
+``start_powerSGD_iter``, is averaged uncompressed, as in the original.
+
+The state is per parameter (the original keeps it per DDP bucket): error-feedback buffers and
+warm-started Q are tensors that the compiled graph reads and writes, allocated when
+compression starts, with Q drawn from ``torch.Generator(random_seed + 1_000_003 * slot)``:
+the same on every rank. How the state follows the steps without the compiled graph
+depending on the step number: every hook call runs a small custom op,
+``compiled_hooks::powersgd_count``, whose Python implementation counts the calls when the
+graph runs. A step ends when every parameter has had its call, which advances ``state.iter``;
+at ``start_powerSGD_iter`` it allocates the buffers and sets ``state.compressing``, a Python
+flag that the traced hook reads, so Dynamo recompiles the backward once, at the same step on
+every rank. (The number of parameters per step is learnt in the first step, so with
+``start_powerSGD_iter=1`` compression starts at step 2; every parameter must get a gradient
+in every step, DDP's default.)
+
+Where this differs from the original, by design:
+
+* Gram-Schmidt orthogonalization for every rank (the original uses QR above rank 2): the
+  columns may differ in sign, which ``P @ Q.T`` does not see.
+* A column of zeros stays zero (with ``orthogonalization_epsilon=0`` the original divides by
+  zero and fills the gradient with NaN).
+* Error feedback only for the compressed gradients. The original also keeps
+  ``local - average`` for the uncompressed ones in its bucket-wide error, which averages to
+  zero across ranks: the averaged gradients differ by rounding only.
+* The random Q come from ``torch.Generator`` seeded per parameter, not from numpy (not a
+  dependency), so the two implementations start from different Q.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+
+from . import validation
+
+__all__ = ["PowerSGDState", "powerSGD_hook"]
+
+_STATES: "weakref.WeakValueDictionary[int, PowerSGDState]" = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+class _Slot:
+    """One parameter's compression state."""
+
+    __slots__ = ["shape", "dtype", "device", "compress", "q_shape", "error", "q"]
+
+    def __init__(self, grad: torch.Tensor, compress: bool, rank: int):
+        self.shape, self.dtype, self.device, self.compress = grad.shape, grad.dtype, grad.device, compress
+        self.q_shape = self.q_shape_of(grad.shape, rank)
+        self.error: Optional[torch.Tensor] = None  # n x m, with error feedback
+        self.q: Optional[torch.Tensor] = None  # m x r, with warm start
+
+    @staticmethod
+    def q_shape_of(shape: torch.Size, rank: int) -> tuple[int, int]:
+        n, m = _matrix_shape(shape) or (0, 0)
+        return m, min(n, m, rank)
+
+
+def _matrix_shape(shape: torch.Size) -> Optional[tuple[int, int]]:
+    if len(shape) == 0 or shape.numel() == 0:
+        return None
+    return shape[0], shape.numel() // shape[0]
+
+
+def _should_compress(shape: torch.Size, rank: int, min_compression_rate: float) -> tuple[bool, int, int]:
+    """(compress?, elements before, elements after) for a gradient of ``shape``: the original's rule."""
+    nm = _matrix_shape(shape)
+    if nm is None:
+        return False, shape.numel(), shape.numel()
+    n, m = nm
+    r = min(n, m, rank)
+    return (n + m) * r * min_compression_rate < n * m, n * m, (n + m) * r
+
+
+def random_q(seed: int, slot: int, step: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The Q a slot starts from at ``step``: standard normal (on the CPU) from a generator seeded
+    by the state's seed, the slot and the step, so every rank draws the same."""
+    g = torch.Generator().manual_seed(seed + 1_000_003 * slot + 7_919 * step)
+    return torch.randn(shape, generator=g, dtype=dtype)
+
+
+class PowerSGDState:
+    """Hyperparameters and state of :func:`powerSGD_hook`; arguments as in
+    ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``.
+
+    Args:
+        process_group: the group to average over (``None``: the default group).
+        matrix_approximation_rank: rank ``r`` of the approximation ``P Q^T`` (>= 1).
+        start_powerSGD_iter: steps averaged uncompressed before compression starts; must be
+            > 1 with error feedback or warm start, as in the original.
+        min_compression_rate: compress a gradient only if it shrinks more than this.
+        use_error_feedback: add each step's compression error to the next step's gradient.
+        warm_start: start each step's power iteration from the last step's Q.
+        orthogonalization_epsilon: added to each column's norm when orthogonalizing.
+        random_seed: seed of the initial Q (the same on every rank).
+
+    A state belongs to one DDP model (one set of parameters): a parameter it has not seen in
+    the first step raises ``ValueError``. ``iter`` counts completed steps,
+    ``compression_stats()`` reports the element counts as the original does.
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, matrix_approximation_rank: int = 1,
+                 start_powerSGD_iter: int = 1_000, min_compression_rate: float = 2, use_error_feedback: bool = True,
+                 warm_start: bool = True, orthogonalization_epsilon: float = 0, random_seed: int = 0):
+        if process_group is None:
+            if not dist.is_initialized():
+                raise RuntimeError("PowerSGDState: torch.distributed is not initialized and no process_group was given")
+            process_group = dist.group.WORLD
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"PowerSGDState expects a torch.distributed.ProcessGroup, got {type(process_group).__name__}.")
+        for name, value in (("matrix_approximation_rank", matrix_approximation_rank),
+                            ("start_powerSGD_iter", start_powerSGD_iter), ("random_seed", random_seed)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"PowerSGDState: {name} must be an int, got {value!r}")
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"PowerSGDState: matrix_approximation_rank must be >= 1, got {matrix_approximation_rank}")
+        if start_powerSGD_iter < 0:
+            raise ValueError(f"PowerSGDState: start_powerSGD_iter must be >= 0, got {start_powerSGD_iter}")
+        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+            raise ValueError("PowerSGDState: start_powerSGD_iter must be > 1 with use_error_feedback or warm_start "
+                             "(the state is set up from the first steps' gradients), as in the original")
+        if not isinstance(min_compression_rate, (int, float)) or not min_compression_rate > 0:
+            raise ValueError(f"PowerSGDState: min_compression_rate must be a positive number, got {min_compression_rate!r}")
+        if not isinstance(orthogonalization_epsilon, (int, float)) or not orthogonalization_epsilon >= 0:
+            raise ValueError("PowerSGDState: orthogonalization_epsilon must be a number >= 0, "
+                             f"got {orthogonalization_epsilon!r}")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.matrix_approximation_rank = matrix_approximation_rank
+        self.start_powerSGD_iter = start_powerSGD_iter
+        self.min_compression_rate = min_compression_rate
+        self.use_error_feedback = use_error_feedback
+        self.warm_start = warm_start
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.random_seed = random_seed
+        self.iter = 0
+        self.compressing = start_powerSGD_iter == 0
+        self._slot_of: dict[torch.Tensor, int] = {}  # parameter (or gradient) -> slot number, in first-call order
+        self._slots: dict[int, _Slot] = {}
+        self._per_step: Optional[int] = None  # hook calls per step, known after the first step
+        self._seen: set[int] = set()  # slots called in this step
+        self._id = next(_IDS)
+        _STATES[self._id] = self
+
+    # -- bookkeeping, run when the graph runs (see the module docstring) --------------------
+
+    def _counted(self, slot: int, grad: torch.Tensor, q_rows: int, q_cols: int) -> torch.Tensor:
+        if slot not in self._slots:
+            compress, _, _ = _should_compress(grad.shape, self.matrix_approximation_rank, self.min_compression_rate)
+            self._slots[slot] = _Slot(grad, compress, self.matrix_approximation_rank)
+        if slot in self._seen:  # a parameter's second call: a new step began
+            if self._per_step is None:
+                self._per_step = len(self._seen)
+            self._step_done()
+        s = self._slots[slot]
+        if q_rows == 0:
+            q = grad.new_empty(0, 0)
+        elif s.q is not None:
+            q = s.q.clone()
+        else:
+            q = random_q(self.random_seed, slot, self.iter, s.q_shape, s.dtype).to(s.device)
+        self._seen.add(slot)
+        if self._per_step is not None and len(self._seen) == self._per_step:
+            self._step_done()
+        return q
+
+    def _step_done(self) -> None:
+        self._seen.clear()
+        self.iter += 1
+        if not self.compressing and self.iter >= self.start_powerSGD_iter:
+            self._start_compressing()
+
+    def _start_compressing(self) -> None:
+        """Allocate the compressed slots' state (no graph reads it before the flag is set)."""
+        for slot, s in self._slots.items():
+            if not s.compress:
+                continue
+            if self.warm_start:
+                s.q = random_q(self.random_seed, slot, self.iter, s.q_shape, s.dtype).to(s.device)
+            if self.use_error_feedback:
+                s.error = torch.zeros(_matrix_shape(s.shape), dtype=s.dtype, device=s.device)
+        self.compressing = True
+
+    def compression_stats(self) -> tuple[float, int, int]:
+        """(rate, elements before, elements after compression) per step, as the original reports."""
+        before = after = 0
+        for s in self._slots.values():
+            _, b, a = _should_compress(s.shape, self.matrix_approximation_rank, self.min_compression_rate)
+            before += b
+            after += a if s.compress else b
+        return (before / after if after else 0.0), before, after
+
+    def __repr__(self) -> str:
+        return (f"PowerSGDState(world_size={self.world_size}, matrix_approximation_rank={self.matrix_approximation_rank}, "
+                f"start_powerSGD_iter={self.start_powerSGD_iter}, iter={self.iter}, compressing={self.compressing})")
+
+
+@torch.library.custom_op("compiled_hooks::powersgd_count", mutates_args=())
+def _count(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int) -> torch.Tensor:
+    """Count one hook call of ``slot`` for the state ``state_id`` when the graph runs (see the
+    module docstring) and return the Q (``q_rows x q_cols``) this call starts its power
+    iteration from: a copy of the warm-started Q, or a new random one; empty for a call that
+    does not compress. Returning Q ties the read of the state to this call's place in the graph."""
+    state = _STATES.get(state_id)
+    if state is None:
+        raise RuntimeError(f"powerSGD_hook: the PowerSGDState this graph was compiled with (id {state_id}) is gone")
+    return state._counted(slot, grad, q_rows, q_cols)
+
+
+@_count.register_fake
+def _(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int) -> torch.Tensor:
+    return grad.new_empty(q_rows, q_cols)
+
+
+# Never dead-code eliminated: the count matters even where the returned Q is not used.
+torch.fx.node.has_side_effect(torch.ops.compiled_hooks.powersgd_count.default)
+
+
+def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Gram-Schmidt on the columns of ``matrix`` (n x r), functional: a new tensor whose columns
+    are orthonormal (a column of zeros stays zero; ``epsilon`` is added to every norm)."""
+    cols = list(matrix.unbind(1))
+    for i, col in enumerate(cols):
+        norm = torch.linalg.vector_norm(col)
+        col = col / (norm + epsilon) if epsilon else torch.where(norm > 0, col / norm, torch.zeros_like(col))
+        cols[i] = col
+        for j in range(i + 1, len(cols)):
+            cols[j] = cols[j] - torch.dot(col, cols[j]) * col
+    return torch.stack(cols, 1)
+
+
+def _slot(state: PowerSGDState, key: torch.Tensor) -> int:
+    slot = state._slot_of.get(key)
+    if slot is None:
+        if state._per_step is not None:
+            raise ValueError(
+                f"powerSGD_hook: this PowerSGDState already serves a model of {state._per_step} parameters and "
+                "was given another parameter; make one PowerSGDState per DDP model.")
+        slot = len(state._slot_of)
+        state._slot_of[key] = slot
+    return slot
+
+
+def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[torch.Tensor] = None) -> None:
+    """Average ``grad`` across ``state.process_group`` in place, PowerSGD-compressed once
+    ``state.start_powerSGD_iter`` steps are done (see the module docstring).
+
+    ``param`` is the parameter ``grad`` belongs to (DDP's adapter :func:`ddp_comm_hook` passes
+    it): the state is kept per parameter. Called without it, the state is kept per ``grad``
+    tensor, which must then be the same tensor every step.
+    """
+    name = "powerSGD_hook"
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(f"{name}: state must be a PowerSGDState, got {type(state).__name__}.")
+    validation.check_tensor(name, "grad", grad)
+    slot = _slot(state, grad if param is None else param)
+    group, n_ranks = state.process_group, state.world_size
+    compressing = state.compressing  # read first: this very call may switch compression on
+    compress, _, _ = _should_compress(grad.shape, state.matrix_approximation_rank, state.min_compression_rate)
+    s = state._slots.get(slot)  # None only in the first step
+    if s is not None and grad.shape != s.shape:
+        raise ValueError(f"{name}: gradient of shape {tuple(grad.shape)} for a parameter whose gradient had shape "
+                         f"{tuple(s.shape)}")
+    q_shape = _Slot.q_shape_of(grad.shape, state.matrix_approximation_rank) if compressing and compress else (0, 0)
+    q0 = torch.ops.compiled_hooks.powersgd_count(grad, state._id, slot, *q_shape)
+    if not compressing:
+        grad.copy_(fcol.all_reduce(grad / n_ranks, "sum", group))
+        return
+    if not compress:
+        grad.copy_(fcol.all_reduce(grad, "sum", group) / n_ranks)
+        return
+    error = s.error if s is not None else None
+    warm_q = s.q if s is not None else None
+    m = grad.reshape(grad.shape[0], -1)
+    if error is not None:
+        m = m + error
+    eps = state.orthogonalization_epsilon
+    p = fcol.all_reduce(m @ orthogonalize(q0, eps), "sum", group)
+    p = orthogonalize(p, eps)
+    q = fcol.all_reduce(m.t() @ p, "sum", group) / n_ranks
+    approx = p @ q.t()
+    if error is not None:
+        error.copy_(m - approx)
+    if warm_q is not None:
+        warm_q.copy_(q)
+    grad.copy_(approx.view_as(grad))
