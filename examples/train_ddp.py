@@ -5,8 +5,8 @@
 
 Each rank trains a tiny transformer on a synthetic next-token task twice from the same
 seed: once with eager fp32 DDP (the reference), once with compiled DDP (python reducer +
-compiled autograd), ``bf16_compress_hook`` and this project's graph passes (``--no-passes``
-leaves them out). Rank 0 prints the loss and step time of every step, what the passes did,
+compiled autograd), ``bf16_compress_hook`` (``--hook powersgd``: PowerSGD at rank 4) and this
+project's graph passes (``--no-passes`` leaves them out). Rank 0 prints the loss and step time of every step, what the passes did,
 and how far the compiled bf16 run's final loss is from the reference's. Exits non-zero if the
 runs disagree by more than ``--tolerance``. ``PASSES_VERIFY=1`` checks every rewrite;
 ``PASSES_CHECK_RANKS=1`` turns on the rank-divergence guard.
@@ -93,17 +93,29 @@ def loss_fn(model, tokens, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def train(rank: int, steps: int, compiled: bool, log: bool, use_passes: bool = True) -> float:
+def comm_hook(hook: str, error_feedback: bool = True) -> tuple[object, Callable]:
+    """(state, hook) for ``--hook``: bf16 compression, or PowerSGD at rank 4 from step 5."""
+    if hook == "powersgd":
+        state = ch.powersgd.PowerSGDState(dist.group.WORLD, matrix_approximation_rank=4, start_powerSGD_iter=5,
+                                          use_error_feedback=error_feedback)
+        return state, ch.powersgd.powerSGD_hook
+    return ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook
+
+
+def train(rank: int, steps: int, compiled: bool, log: bool, use_passes: bool = True, hook: str = "bf16",
+          error_feedback: bool = True) -> float:
     torch.manual_seed(0)
     net = TinyTransformer()
     if compiled:
-        _, model = ch.compile_ddp(net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+        _, model = ch.compile_ddp(net, *comm_hook(hook, error_feedback))
     else:
         model = DistributedDataParallel(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     for p in net.parameters():  # gradients exist from step 0: one backward graph for every step
         p.grad = torch.zeros_like(p)
-    label = "compiled DDP + bf16_compress_hook" + (" + passes" if use_passes else "") if compiled else "eager DDP fp32"
+    hook_name = "bf16_compress_hook" if hook == "bf16" else \
+        "powerSGD_hook (rank 4" + (")" if error_feedback else ", no error feedback)")
+    label = f"compiled DDP + {hook_name}" + (" + passes" if use_passes else "") if compiled else "eager DDP fp32"
     if log:
         print(f"--- {label} ---", flush=True)
     for step in range(steps):
@@ -125,7 +137,7 @@ def train(rank: int, steps: int, compiled: bool, log: bool, use_passes: bool = T
             note = " (includes compilation)" if compiled and step == 0 else ""
             print(f"step {step:3d}  loss {mean_loss.item():.4f}  {elapsed * 1e3:8.1f} ms{note}", flush=True)
     if log and compiled and use_passes:
-        done = {k: v for k, v in counters["passes"].items() if "skipped" not in k}
+        done = {k: v for k, v in counters["passes"].items() if "skipped" not in k and not k.endswith(": us")}
         print("passes: " + ("; ".join(f"{k} (x{v})" for k, v in done.items()) or
                             "nothing to do (or the compiled graph came from the FX graph cache)"), flush=True)
     return mean_loss.item()
@@ -139,15 +151,17 @@ def report_rank_guard() -> None:
               f"({counters['rank_guard']['check us'] / 1e3:.0f} ms in first-run exchanges)", flush=True)
 
 
-def run(rank: int, world_size: int, steps: int, tolerance: float, use_passes: bool = True) -> bool:
+def run(rank: int, world_size: int, steps: int, tolerance: float, use_passes: bool = True, hook: str = "bf16",
+        error_feedback: bool = True) -> bool:
     log = rank == 0
     # Eager DDP first: compile_ddp switches the process to DDP's python reducer.
     reference = train(rank, steps, compiled=False, log=log)
-    result = train(rank, steps, compiled=True, log=log, use_passes=use_passes)
+    result = train(rank, steps, compiled=True, log=log, use_passes=use_passes, hook=hook,
+                   error_feedback=error_feedback)
     rel = abs(result - reference) / abs(reference)
     ok = rel <= tolerance
     if log:
-        print(f"final loss: compiled bf16 {result:.4f}  eager fp32 {reference:.4f}  "
+        print(f"final loss: compiled {hook} {result:.4f}  eager fp32 {reference:.4f}  "
               f"relative difference {rel:.2e} ({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}, "
               f"{world_size} ranks)", flush=True)
         report_rank_guard()
@@ -191,12 +205,15 @@ def example_parser(description: str) -> argparse.ArgumentParser:
 
 
 def _run_args(rank: int, world_size: int, args: argparse.Namespace) -> bool:
-    return run(rank, world_size, args.steps, args.tolerance, not args.no_passes)
+    return run(rank, world_size, args.steps, args.tolerance, not args.no_passes, args.hook, not args.no_error_feedback)
 
 
 def main() -> None:
     parser = example_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--no-passes", action="store_true", help="compile without this project's graph passes")
+    parser.add_argument("--hook", choices=["bf16", "powersgd"], default="bf16",
+                        help="bf16_compress_hook, or PowerSGD at rank 4 from step 5 (compiled_hooks.powersgd)")
+    parser.add_argument("--no-error-feedback", action="store_true", help="PowerSGD without error feedback")
     launch(_run_args, parser.parse_args())
 
 

@@ -42,8 +42,38 @@ def _lp(g, dtype=torch.float32):
     return ch.LowPrecisionState(g, dtype)
 
 
+def _psgd(g, **kw):
+    return ch.powersgd.PowerSGDState(g, start_powerSGD_iter=2, **kw)
+
+
+_SERVED = {}
+
+
+def _psgd_served():
+    """A state that served one model for two steps (run before the cases: it communicates)."""
+    state, a = _psgd(dist.group.WORLD), torch.nn.Parameter(torch.ones(8, 8))
+    for _ in range(2):
+        ch.powersgd.powerSGD_hook(state, torch.ones(8, 8), param=a)
+    _SERVED["state"] = state
+
+
+def _psgd_two_models(g):
+    ch.powersgd.powerSGD_hook(_SERVED["state"], torch.ones(8, 8), param=torch.nn.Parameter(torch.ones(8, 8)))
+
+
 # id: (call(group), exception type, message fragment)
 CASES = {
+    "powersgd_rank_0": (lambda g: _psgd(g, matrix_approximation_rank=0), ValueError,
+                        "matrix_approximation_rank must be >= 1"),
+    "powersgd_group_list": (lambda g: ch.powersgd.PowerSGDState([0, 1]), TypeError,
+                            "expects a torch.distributed.ProcessGroup"),
+    "powersgd_start_1_with_error_feedback": (lambda g: ch.powersgd.PowerSGDState(g, start_powerSGD_iter=1),
+                                             ValueError, "start_powerSGD_iter must be > 1"),
+    "powersgd_integer_grad": (lambda g: ch.powersgd.powerSGD_hook(_psgd(g), torch.ones(4, 4, dtype=torch.int32)),
+                              TypeError, "grad must be a floating-point tensor"),
+    "powersgd_wrong_state": (lambda g: ch.powersgd.powerSGD_hook(_state(g), torch.ones(4, 4)), TypeError,
+                             "state must be a PowerSGDState"),
+    "powersgd_state_with_two_models": (_psgd_two_models, ValueError, "make one PowerSGDState per DDP model"),
     "state_without_group": (lambda g: ch.DefaultState(None), ValueError, "explicit ProcessGroup"),
     "state_with_rank_list": (lambda g: ch.DefaultState([0, 1]), TypeError, "expects a torch.distributed.ProcessGroup"),
     "low_precision_int_type": (lambda g: _lp(g, torch.int32), TypeError, "parameter_type must be a floating"),
@@ -259,7 +289,7 @@ def _case_timeout(signum, frame):
 def misuse_worker(rank, world_size):
     group = dist.group.WORLD
     results = {}
-    _traced(), _sharded(), _unscaled_once(), _ddp_zero()
+    _traced(), _sharded(), _unscaled_once(), _ddp_zero(), _psgd_served()
     signal.signal(signal.SIGALRM, _case_timeout)
     for name, (call, _, _) in CASES.items():
         counter = CountCollectives()
