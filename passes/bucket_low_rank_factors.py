@@ -3,11 +3,14 @@
 Compiled DDP with :func:`compiled_hooks.powersgd.powerSGD_hook` computes, per compressed
 gradient ``M``, ``P = M @ Q`` and all_reduces it, orthogonalizes P, computes ``Q = M.T @ P``
 and all_reduces that: two tiny collectives per parameter, each paying a collective's fixed
-cost. This pass merges them the way the original hook does per bucket: every all_reduce of a
-matrix product (``mm``) is a candidate, and candidates of the same kind (group, reduce op,
-dtype, device) at the same *round* share a bucket, up to ``factor_bucket_cap_mb`` of bytes.
+cost, and so does the plain all_reduce of every gradient it does not compress (a bias). This
+pass merges them the way the original hook does per bucket: every all_reduce of a matrix
+product (``mm``) is a candidate, and so is, in a graph that has such products, every
+all_reduce of a gradient that PowerSGD's counting op (``compiled_hooks::powersgd_count``) also
+reads. Candidates of the same kind (group, reduce op, dtype, device) at the same *round* share
+a bucket, up to ``factor_bucket_cap_mb`` of bytes.
 The round of a candidate is the number of candidates on the longest dependency path into it
-(the P all_reduces are round 0, the Q all_reduces round 1), so the members of a bucket never
+(the P and the uncompressed all_reduces are round 0, the Q all_reduces round 1), so the members of a bucket never
 depend on each other. For two parameters::
 
     before                                     after
@@ -34,16 +37,40 @@ from typing import Any
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
-from ._graph import (ALL_REDUCE, WAIT, Chain, aten, chains, check_graph, flat_value, is_op, new_node, record,
-                     split_values, val)
+import torch
+
+from ._graph import (ALL_REDUCE, POWERSGD_COUNT, WAIT, Chain, aten, check_graph, flat_value, is_op, match_chain, new_node,
+                     record, split_values, val)
 
 PASS = "bucket_low_rank_factors"
 MM_OPS = (aten.mm.default,)
 
 
-def _candidate(chain: Chain) -> bool:
-    return (chain.collective.target is ALL_REDUCE and not chain.pre and chain.problem is None
-            and isinstance(chain.group_name, str) and is_op(chain.start, MM_OPS))
+def _factor(node: Node) -> bool:
+    """An all_reduce of a matrix product."""
+    return node.target is ALL_REDUCE and is_op(node.args[0], MM_OPS)
+
+
+def _counted(node: Node) -> bool:
+    """An all_reduce of a gradient that PowerSGD counted (one it averages uncompressed)."""
+    return node.target is ALL_REDUCE and any(is_op(u, (POWERSGD_COUNT,)) for u in node.args[0].users)
+
+
+def _candidates(graph: Graph) -> dict[Node, Chain]:
+    """The factor all_reduces, and with them PowerSGD's uncompressed ones; none in a graph
+    without factors (PowerSGD before ``start_powerSGD_iter``: its full gradients keep their
+    own collectives, issued as each gradient is ready). A cheap scan first: most graphs have
+    no product feeding an all_reduce, and matching chains costs more."""
+    found = [n for n in graph.find_nodes(op="call_function", target=ALL_REDUCE) if _factor(n) or _counted(n)]
+    if not any(_factor(n) for n in found):
+        return {}
+    out = {}
+    for node in found:
+        chain = match_chain(node)
+        if (chain is not None and not chain.pre and chain.problem is None and isinstance(chain.group_name, str)
+                and isinstance(val(node), torch.Tensor)):
+            out[node] = chain
+    return out
 
 
 def _key(chain: Chain) -> tuple[Any, ...]:
@@ -93,7 +120,7 @@ def bucket_low_rank_factors(graph: Graph, factor_bucket_cap_mb: float = 25.0) ->
     check_graph(PASS, graph)
     if not factor_bucket_cap_mb > 0:
         raise ValueError(f"{PASS}: factor_bucket_cap_mb must be positive, got {factor_bucket_cap_mb}")
-    candidates = {c.collective: c for c in chains(graph, PASS) if _candidate(c)}
+    candidates = _candidates(graph)
     if len(candidates) < 2:
         return False
     rounds = _rounds(graph, candidates)

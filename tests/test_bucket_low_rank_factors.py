@@ -47,22 +47,20 @@ class TestBucketLowRankFactors(PassTestCase):
     def test_one_all_reduce_per_round(self):
         gm = powersgd_graph()
         before = copy_graph(gm.graph)
-        # 3 compressed gradients x (P, Q) + 2 uncompressed
-        self.assertEqual(len(all_reduces(gm)), 8)
+        self.assertEqual(len(all_reduces(gm)), 8)  # 3 compressed gradients x (P, Q) + 2 uncompressed
         self.assertRewrites(gm, bucket_low_rank_factors)
-        ops = [(n.name, n.args[1]) for n in all_reduces(gm)]
-        self.assertEqual(len(ops), 4, ops)  # P bucket, Q bucket, 2 uncompressed
-        factor = [n for n in all_reduces(gm) if n.name.startswith("factor_all_reduce")]
-        self.assertEqual([n.args[1] for n in factor], ["sum", "avg"])  # P summed; Q averaged (folded / N)
-        # P bucket: 32x2 + 32x2 + 64x2 elements; Q bucket: 16x2 + 32x2 + 24x2
-        self.assertEqual([n.meta["val"].numel() for n in factor], [256, 144])
+        # In the order of their last inputs: the uncompressed bucket (averaged: the division
+        # folded; 32 + 4x32 elements), P (summed; 32x2 + 32x2 + 64x2), Q (averaged; 16x2 + 32x2 + 24x2)
+        self.assertEqual([(n.args[1], n.meta["val"].numel()) for n in all_reduces(gm)],
+                         [("avg", 160), ("sum", 256), ("avg", 144)])
         self.assertTrue(check_rewrite("bucket_low_rank_factors", before, gm.graph))
         self.assertEqual(counters["passes"]["bucket_low_rank_factors: bucketed 3 factor all_reduces into one"], 2)
+        self.assertEqual(counters["passes"]["bucket_low_rank_factors: bucketed 2 factor all_reduces into one"], 1)
 
     def test_cap_splits_a_round(self):
         gm = powersgd_graph()
         # P pieces are 256 + 256 + 512 bytes: a 600-byte cap gives a bucket of two and the third
-        # alone; Q pieces are 128 + 256 + 192 bytes: one bucket. Plus the 2 uncompressed.
+        # alone; Q pieces are 128 + 256 + 192 bytes: one bucket; the uncompressed 128 + 512: two.
         self.assertTrue(bucket_low_rank_factors(gm.graph, factor_bucket_cap_mb=600 / 2**20))
         self.assertEqual(len(all_reduces(gm)), 5)
 
@@ -70,10 +68,26 @@ class TestBucketLowRankFactors(PassTestCase):
         gm = powersgd_graph(shapes=[(32, 32), (32,)])
         self.assertFalse(bucket_low_rank_factors(gm.graph))
 
+    def test_uncompressed_phase_left_alone(self):
+        """Before start_powerSGD_iter there are no factors: the full gradients keep their own
+        all_reduces, issued as each is ready."""
+        trace(lambda: None, world_size=2)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        state = PowerSGDState(dist.group.WORLD, matrix_approximation_rank=2, start_powerSGD_iter=2)
+
+        def step(*grads):
+            for g, p in zip(grads, params):
+                powerSGD_hook(state, g, param=p)
+
+        gm = trace(step, *[torch.randn(s) for s in SHAPES], world_size=2)
+        fold_collective_scaling(gm.graph)
+        self.assertEqual(len(all_reduces(gm)), len(SHAPES))
+        self.assertFalse(bucket_low_rank_factors(gm.graph))
+
     def test_in_default_pipeline(self):
         gm = powersgd_graph()
         before = copy_graph(gm.graph)
         self.assertTrue(default_pipeline(verify=True).run(gm.graph))
-        self.assertEqual(len(all_reduces(gm)), 4)
+        self.assertEqual(len(all_reduces(gm)), 3)
         self.assertEqual(schedule_problems(gm.graph), [])
         self.assertTrue(check_rewrite("default_pipeline", before, gm.graph))
