@@ -16,7 +16,10 @@ configuration's (relative to the largest parameter; all train the same model on 
   (``overlap_with_ddp=True`` with ``ddp_zero_hook``) needs NCCL, so it steps after backward;
 - compiled ZeRO (``compiled_hooks.zero``), the step inside the compiled backward, with the
   default pipeline (which schedules it with ``interleave_zero_broadcasts``), in both schedules,
-  and with ``shard_buckets=True`` without and with ``shard_weight_update``.
+  and with ``shard_buckets=True`` without and with ``shard_weight_update`` (forced on gloo,
+  where the pass leaves graphs alone by default);
+- compiled DDP without an optimizer step: the reference for the optimizer step's time where
+  the step runs inside the backward (the column "optimizer step").
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from launch import add_link_argument, describe_link, launch  # noqa: E402
 from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved  # noqa: E402
 
 LR = 1e-3
+NO_STEP = "compiled DDP, no optimizer step"
 CONFIGS = [
     "compiled DDP + AdamW (unsharded)",
     "eager DDP + torch ZeroRedundancyOptimizer",
@@ -50,6 +54,7 @@ CONFIGS = [
     "compiled ZeRO, interleaved",
     "compiled ZeRO, interleaved, shard_buckets",
     "compiled ZeRO, interleaved, shard_buckets + shard_weight_update",
+    NO_STEP,
 ]
 COLLECTIVE = re.compile(r"_c10d_functional\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|broadcast)\w*"
                         r"\.default\(")
@@ -76,10 +81,13 @@ class Config:
             ddp, self.model = ch.compile_ddp(self.net)
             make = hook_with_zero_step if "after backward" in name else hook_with_zero_step_interleaved
             ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), make(ch.allreduce_hook, ddp, self.zero, shard))
-            self.pipeline = passes.default_pipeline(shard_weight_update="shard_weight_update" in name)
+            # shard_weight_update is forced on gloo here, to measure it (by default it leaves gloo alone)
+            forced = {"shard_weight_update": True, "shard_backends": ("gloo", "nccl")}
+            self.pipeline = passes.default_pipeline(**(forced if "shard_weight_update" in name else {}))
         else:
             _, self.model = ch.compile_ddp(self.net)
-            self.opt = torch.optim.AdamW(self.net.parameters(), lr=LR)
+            self.opt = None if name == NO_STEP else torch.optim.AdamW(self.net.parameters(), lr=LR)
+        self.step_times: list[float] = []  # the optimizer step alone, where it runs after backward
         if self.compiled:
             for p in self.net.parameters():  # one backward graph for every step
                 p.grad = torch.zeros_like(p)
@@ -93,7 +101,9 @@ class Config:
         else:
             loss_fn(self.model, self.tokens, self.targets).backward()
         if self.opt is not None:
+            t0 = time.perf_counter()
             self.opt.step()
+            self.step_times.append(time.perf_counter() - t0)
 
     def first_step(self) -> None:
         if self.compiled:
@@ -135,9 +145,20 @@ def run(rank: int, size: dict, steps: int) -> list[dict] | None:
     n_tensors = sum(1 for _ in configs[0].net.parameters())
     n_params = flat[0].numel()
     base = statistics.median(configs[0].times)
+    no_step = statistics.median(next(c for c in configs if c.name == NO_STEP).times)
+
+    def optimizer_ms(c: Config) -> float:
+        """The optimizer step: timed alone where it runs after backward (its timed steps'
+        median); inside the compiled backward, the step's median minus that of the same compiled
+        DDP step without an optimizer."""
+        if c.step_times:
+            return statistics.median(c.step_times[-steps:]) * 1e3
+        return (statistics.median(c.times) - no_step) * 1e3
+
     return [dict(model=f"{n_tensors} tensors, {n_params / 1e6:.2f}M params", config=c.name,
                  median_ms=statistics.median(c.times) * 1e3, ratio=statistics.median(c.times) / base,
-                 collectives=c.collectives, state_mb=c.state_bytes() / 1e6,
+                 collectives=c.collectives, state_mb=c.state_bytes() / 1e6 if c.name != NO_STEP else 0.0,
+                 optimizer_ms=optimizer_ms(c) if c.name != NO_STEP else 0.0,
                  diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item()) for c, f in zip(configs, flat)]
 
 
@@ -146,13 +167,16 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if rank == 0:
         print(f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
               f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: {rows[0]['model']}\n")
-        print("| configuration | median step (ms) | vs first | collectives/step | optimizer state per rank (MB) "
-              "| max parameter difference vs first |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| configuration | median step (ms) | vs first | optimizer step (ms, share of the step) "
+              "| collectives/step | optimizer state per rank (MB) | max parameter difference vs first |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             coll = "-" if r["collectives"] is None else r["collectives"]
-            print(f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | {coll} | {r['state_mb']:.2f} "
-                  f"| {r['diff']:.1e} |")
+            print(f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x "
+                  f"| {r['optimizer_ms']:.1f} ({r['optimizer_ms'] / r['median_ms']:.0%}) | {coll} "
+                  f"| {r['state_mb']:.2f} | {r['diff']:.1e} |")
+        print("\noptimizer step: timed alone where it runs after backward; inside the compiled backward (ZeRO), "
+              f"the step's median minus the median of '{NO_STEP}' (the same forward and backward)")
     return True
 
 

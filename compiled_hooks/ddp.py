@@ -75,6 +75,7 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     ddp_hook.__name__ = f"ddp_{hook.__name__}"
     ddp_hook.__qualname__ = f"ddp_comm_hook({getattr(hook, '__qualname__', hook.__name__)})"
     ddp_hook.__doc__ = hook.__doc__
+    ddp_hook.tensor_hook = hook  # what hook_with_zero_step unwraps: it reduces its own buckets
     return ddp_hook
 
 

@@ -42,6 +42,7 @@ reduced. ``passes.interleave_zero_broadcasts`` schedules the compiled graph acco
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, Callable, Iterable, Optional
 
@@ -377,11 +378,39 @@ class ZeroStep:
         self.reduced, self.buckets, self.started = [], 0, False
 
 
+def _hook_kind(name: str, hook: Any, python_reducer: bool, shard_buckets: bool) -> tuple[Callable[..., Any], bool]:
+    """``(hook, runs_on_buckets)``: what the ZeRO hook calls to average gradients. Accepted:
+    a ``hook(state, grad)`` of this package (or the one inside a :func:`ddp_comm_hook`
+    wrapper), and, in eager DDP (C++ reducer) without ``shard_buckets``, a DDP comm hook
+    ``hook(process_group, bucket: GradBucket) -> Future`` such as torch's ``allreduce_hook`` or
+    ``fp16_compress_hook``, run on DDP's own bucket. Anything else is a ``TypeError``."""
+    label = getattr(hook, "__qualname__", getattr(hook, "__name__", repr(hook)))
+    hook = getattr(hook, "tensor_hook", hook)  # ddp_comm_hook(h): ZeRO reduces its own buckets with h
+    if not callable(hook):
+        raise TypeError(f"{name}: hook must be callable, got {type(hook).__name__}")
+    params = [p for p in inspect.signature(hook).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if "param" in inspect.signature(hook).parameters:
+        raise TypeError(f"{name}: {label} keeps state per parameter (e.g. PowerSGD), but ZeRO averages whole buckets "
+                        "of gradients at once; use allreduce_hook, fp16_compress_hook or bf16_compress_hook")
+    if len(params) >= 2 and params[1].name == "bucket":  # a DDP comm hook: GradBucket in, Future out
+        if python_reducer:
+            raise TypeError(f"{name}: {label} is a DDP comm hook (GradBucket in, Future out), which only eager DDP's "
+                            "C++ reducer can run; for compiled DDP pass compiled_hooks' allreduce_hook, "
+                            "fp16_compress_hook or bf16_compress_hook")
+        if shard_buckets:
+            raise TypeError(f"{name}: {label} is a DDP comm hook, which runs on DDP's own bucket; with "
+                            "shard_buckets=True the gradients are laid out rank-major in buckets of ZeRO's own, so "
+                            "pass compiled_hooks' allreduce_hook, fp16_compress_hook or bf16_compress_hook")
+        return hook, True
+    if positional_arity(hook)[0] != 2:
+        raise TypeError(f"{name}: hook must be callable as hook(state, grad) (allreduce_hook, fp16_compress_hook, "
+                        f"bf16_compress_hook) or be a DDP comm hook hook(state, bucket), got {label!r}")
+    return hook, False
+
+
 def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
                     shard_buckets: bool, interleaved: bool, name: str) -> Callable[[Any, Any], Any]:
-    if not callable(hook) or positional_arity(hook)[0] != 2:
-        raise TypeError(f"{name}: hook must be callable as hook(state, grad) (allreduce_hook, fp16_compress_hook, "
-                        f"bf16_compress_hook), got {getattr(hook, '__name__', hook)!r}")
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"{name}: ddp must be a DistributedDataParallel, got {type(ddp).__name__}")
     if not isinstance(zero, ZeroOptimizer):
@@ -399,6 +428,7 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
         raise ValueError(f"{name}: this DDP was built before torch._dynamo.config.optimize_ddp = 'python_reducer' was "
                          "set, so compiled autograd cannot trace its hooks; build it with compile_ddp or after "
                          "setting the flag")
+    hook, on_buckets = _hook_kind(name, hook, ddp._use_python_reducer, shard_buckets)
     config = getattr(ddp, "_bucket_config", None)
     core = ZeroStep(hook, zero, interleaved, bucket_bytes=ddp.bucket_bytes_cap,
                     first_bucket_bytes=getattr(config, "first_bucket_bytes_cap", ddp.bucket_bytes_cap))
@@ -415,7 +445,11 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
         buffer, params = bucket.buffer(), bucket.parameters()
         views = list(buffer.split([p.numel() for p in params]))
         items = [(zero.index_of(p), v.view_as(p)) for p, v in zip(params, views)]
-        if not zero.shard_buckets:
+        if on_buckets:  # a DDP comm hook, on DDP's own bucket
+            averaged = hook(state, bucket).wait()
+            if averaged is not buffer:
+                buffer.copy_(averaged)
+        elif not zero.shard_buckets:
             hook(state, buffer)  # averaged in place: DDP writes it back to the gradients
         core.close(state, items, averaged=not zero.shard_buckets)
         if bucket.is_last():
@@ -436,7 +470,14 @@ def hook_with_zero_step(hook: Callable[..., Any], ddp: DistributedDataParallel, 
     reduced, overlapping the outstanding gradient collectives. Works with compiled DDP (python
     reducer + :func:`compiled_hooks.compiled_autograd`: backward, step and broadcasts in one
     graph) and with eager DDP, on any backend, updating parameters from the first step.
-    ``shard_buckets`` must match the ``ZeroOptimizer``'s."""
+    ``shard_buckets`` must match the ``ZeroOptimizer``'s.
+
+    ``hook``: this package's ``allreduce_hook`` / ``fp16_compress_hook`` /
+    ``bf16_compress_hook`` (``state`` is their state), the same wrapped by
+    :func:`compiled_hooks.ddp_comm_hook`, or, in eager DDP without ``shard_buckets``, a DDP comm
+    hook such as torch's ``default_hooks.allreduce_hook`` (``state`` a process group), run on
+    DDP's bucket as the original does. Anything else raises ``TypeError`` here, before any
+    collective."""
     return _hook_with_zero(hook, ddp, zero, shard_buckets, interleaved=False, name="hook_with_zero_step")
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_hooks as ch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 import passes
 from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
 from tests.ranks import run_ranks
@@ -162,6 +163,19 @@ CASES = {
     "zero_hook_with_reduce_scatter_hook": (
         lambda g: hook_with_zero_step_interleaved(ch.reduce_scatter_hook, *_ddp_zero()), TypeError,
         "hook must be callable as hook\\(state, grad\\)"),
+    "zero_hook_torch_ddp_hook_compiled": (
+        lambda g: _with_python_reducer_flag(lambda: hook_with_zero_step(
+            ddp_default_hooks.allreduce_hook, *_ddp_zero_python_reducer())), TypeError,
+        "allreduce_hook is a DDP comm hook .* only eager DDP's C\\+\\+ reducer can run"),
+    "zero_hook_torch_ddp_hook_shard_buckets": (
+        lambda g: hook_with_zero_step_interleaved(ddp_default_hooks.fp16_compress_hook, *_ddp_zero_sharded(),
+                                                  shard_buckets=True), TypeError,
+        "fp16_compress_hook is a DDP comm hook, which runs on DDP's own bucket"),
+    "zero_hook_powersgd": (
+        lambda g: hook_with_zero_step(ch.ddp_comm_hook(ch.powersgd.powerSGD_hook), *_ddp_zero()), TypeError,
+        "keeps state per parameter"),
+    "zero_hook_not_callable": (lambda g: hook_with_zero_step("allreduce", *_ddp_zero()), TypeError,
+                               "hook must be callable"),
     "zero_hook_ddp_not_python_reducer": (
         lambda g: _with_python_reducer_flag(lambda: hook_with_zero_step(ch.allreduce_hook, *_ddp_zero())),
         ValueError, "built before torch._dynamo.config.optimize_ddp = 'python_reducer'"),
@@ -249,6 +263,18 @@ def _ddp_zero():
     return ddp, ZeroOptimizer(ddp.module.parameters(), torch.optim.SGD, lr=0.1)
 
 
+@functools.lru_cache(maxsize=None)
+def _ddp_zero_python_reducer():
+    """The same with DDP built in python-reducer mode (for compiled autograd)."""
+    return _with_python_reducer_flag(_ddp_zero.__wrapped__)
+
+
+@functools.lru_cache(maxsize=None)
+def _ddp_zero_sharded():
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    return ddp, ZeroOptimizer(ddp.module.parameters(), torch.optim.SGD, shard_buckets=True, lr=0.1)
+
+
 def _with_python_reducer_flag(fn):
     before = torch._dynamo.config.optimize_ddp
     torch._dynamo.config.optimize_ddp = "python_reducer"
@@ -290,6 +316,7 @@ def misuse_worker(rank, world_size):
     group = dist.group.WORLD
     results = {}
     _traced(), _sharded(), _unscaled_once(), _ddp_zero(), _psgd_served()
+    _ddp_zero_python_reducer(), _ddp_zero_sharded()
     signal.signal(signal.SIGALRM, _case_timeout)
     for name, (call, _, _) in CASES.items():
         counter = CountCollectives()

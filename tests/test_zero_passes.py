@@ -264,3 +264,40 @@ class TestInterleaveLeavesAlone(PassTestCase):
         wait.append(write_p)  # the program writes p right after the gradient, then updates from p
         gm.graph.lint()
         self.assertUntouched(gm, interleave_zero_broadcasts, "a mutation between the gradient and the update")
+
+
+def _gloo_shard_worker(rank, world_size):
+    """The same traced ZeRO step on a real gloo group: what the pass does by default and when
+    gloo is asked for."""
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for backends in (None, ("gloo",)):
+        counters["passes"].clear()
+        zero = zero_optimizer(world_size, ((5,), (3, 7)), torch.optim.SGD, shard_buckets=True)
+        fn, args = zero_step_fn(zero, "fp32", True)
+        gm = trace(fn, *args(), world_size=None)
+        gm.graph.eliminate_dead_code()
+        options = {} if backends is None else {"shard_backends": backends}
+        changed = shard_weight_update(gm.graph, **options)
+        out[backends] = (changed, sum("reduce_scatter" in str(n.target) for n in gm.graph.nodes),
+                         dict(counters["passes"]))
+    return out
+
+
+def test_shard_weight_update_leaves_gloo_alone_by_default():
+    from tests.ranks import run_ranks
+
+    out = run_ranks(_gloo_shard_worker, 2)[0]
+    changed, reduce_scatters, counts = out[None]
+    assert not changed and reduce_scatters == 0, counts
+    skipped = [k for k in counts if k.startswith("shard_weight_update: skipped: backend gloo")]
+    assert skipped and "reduce_scatter costs more" in skipped[0], counts
+    changed, reduce_scatters, _ = out[("gloo",)]
+    assert changed and reduce_scatters == 2
+
+
+class TestShardBackends(PassTestCase):
+    def test_backend_not_listed_untouched(self):
+        gm = traced_step(shard_buckets=True, shapes=((3,),))
+        self.assertUntouched(gm, shard_weight_update, "backend fake", shard_backends=("nccl",))
