@@ -2,8 +2,8 @@
 
 Each update is ``update(param, grad, state, step, hp) -> (new_param, new_state)`` on tensors of
 any shape: no in-place writes, no Python branches on tensor values, so one traced graph serves
-every rank and every step. ``step`` is the step number *after* this update (a float64 0-dim
-tensor, 1 on the first step); ``state`` maps the names torch.optim uses (``momentum_buffer``,
+every rank and every step. ``step`` is the row of :func:`step_scalars` for the step number
+*after* this update (1 on the first step); ``state`` maps the names torch.optim uses (``momentum_buffer``,
 ``exp_avg``, ``exp_avg_sq``) to tensors of the parameter's shape. The formulas are those of
 torch.optim's single-tensor implementations (``foreach=False``), with the bias corrections
 computed in float64 like torch's Python floats, so results agree to rounding (within 1e-6
@@ -12,14 +12,31 @@ relative after several steps in fp32; not bit for bit, since torch's kernels fus
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["UPDATES", "state_names", "hyperparameters"]
+__all__ = ["UPDATES", "state_names", "hyperparameters", "step_scalars"]
 
 Hp = dict[str, Any]
 State = dict[str, torch.Tensor]
+
+
+def step_scalars(hp: Hp, steps: torch.Tensor) -> torch.Tensor:
+    """``[len(steps), 3]`` float64: per step number, the step itself and Adam's two bias
+    terms (``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)``; SGD reads only the step).
+
+    Computed once for a bucket of parameters, so that a compiled update reads three scalars per
+    parameter: computed inside each parameter's update, Inductor's CPU kernels evaluate the two
+    float64 powers once per vector of 8 elements (measured: Adam over 3.2M elements 29 ms, about
+    twice torch's foreach AdamW). ``exp(t * log(beta))`` rather than ``beta**t``: Inductor keeps
+    a result with ``exp`` that has several readers in a buffer of its own instead of inlining it
+    into each reader; the two agree to float64 rounding."""
+    beta1, beta2 = hp.get("betas", (0.0, 0.0))
+    bias_correction1 = 1 - torch.exp(steps * math.log(beta1)) if beta1 > 0 else torch.ones_like(steps)
+    bias_correction2 = 1 - torch.exp(steps * math.log(beta2)) if beta2 > 0 else torch.ones_like(steps)
+    return torch.stack([steps, hp["lr"] / bias_correction1, bias_correction2.sqrt()], dim=1)
 
 
 def _sgd(p: torch.Tensor, g: torch.Tensor, state: State, step: torch.Tensor, hp: Hp):
@@ -27,7 +44,7 @@ def _sgd(p: torch.Tensor, g: torch.Tensor, state: State, step: torch.Tensor, hp:
         g = g + hp["weight_decay"] * p
     if hp["momentum"] != 0:
         # torch starts the buffer as a copy of the first gradient (undamped)
-        buf = torch.where(step == 1, g, state["momentum_buffer"] * hp["momentum"] + (1 - hp["dampening"]) * g)
+        buf = torch.where(step[0] == 1, g, state["momentum_buffer"] * hp["momentum"] + (1 - hp["dampening"]) * g)
         state = {"momentum_buffer": buf}
         g = g + hp["momentum"] * buf if hp["nesterov"] else buf
     return p - hp["lr"] * g, state
@@ -42,10 +59,8 @@ def _adam(p: torch.Tensor, g: torch.Tensor, state: State, step: torch.Tensor, hp
             g = g + wd * p
     exp_avg = torch.lerp(state["exp_avg"], g, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step).sqrt()
-    step_size = (lr / bias_correction1).to(p.dtype)
-    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt.to(p.dtype) + eps
+    step_size, bias_correction2_sqrt = step[1].to(p.dtype), step[2].to(p.dtype)
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
     return p - step_size * (exp_avg / denom), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 

@@ -54,7 +54,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from .group_rank import group_rank
-from .optim_math import UPDATES, hyperparameters, state_names
+from .optim_math import UPDATES, hyperparameters, state_names, step_scalars
 from .validation import positional_arity
 
 __all__ = ["ZeroOptimizer", "ZeroStep", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
@@ -196,20 +196,24 @@ class ZeroOptimizer:
         parameters) or one from every rank (``shard_buckets``). Traceable; the same graph on
         every rank."""
         rule, rank = UPDATES[self.optimizer_class], self._rank()
-        new_values, new_states = [], []
-        for i, g in items:
+        index = torch.tensor([i for i, _ in items], device=self._device)
+        steps = self._steps[index] + 1
+        self._steps.index_put_((index,), steps)
+        scalars = step_scalars(self.hp, steps)  # once per bucket: see step_scalars
+        new_values = []
+        for (i, g), step in zip(items, scalars.unbind(0)):
             p = self.params[i]
-            step = self._steps[i] + 1
-            self._steps[i] = step
             if self.shard_buckets:
                 p = self._own_slice(i, p.detach())
-            new, new_state = rule(p, g.to(p.dtype), self._state_views(i), step, self.hp)
-            new_values.append(new.reshape(-1))
-            new_states.append(new_state)
-        if self.shard_buckets:
-            for (i, _), new_state in zip(items, new_states):
-                for k, t in self._state[i].items():
+            state = self._state_views(i)
+            new, new_state = rule(p, g.to(p.dtype), state, step, self.hp)
+            if self.shard_buckets:
+                for k, t in state.items():
                     t.copy_(new_state[k])
+            else:
+                self._write_owned_state(i, new_state, (rank == self.owner[i]).reshape(()))
+            new_values.append(new.reshape(-1))
+        if self.shard_buckets:
             flat = torch.cat(new_values)
             gathered = torch.cat([fcol.broadcast(flat, src, self.process_group) for src in range(self.world_size)])
             gathered = gathered.view(self.world_size, -1)
@@ -221,30 +225,24 @@ class ZeroOptimizer:
             return
         for owner in sorted({self.owner[i] for i, _ in items}):
             members = [j for j, (i, _) in enumerate(items) if self.owner[i] == owner]
-            # state: written only where this rank owns the parameters; one write per side-by-side run
-            owned = (rank == owner).reshape(())
-            for run in self._runs([items[j][0] for j in members]):
-                lo = self._offset[items[members[run[0]]][0]]
-                hi = lo + sum(self.params[items[members[r]][0]].numel() for r in run)
-                for k, buf in self._buffers.items():
-                    new = torch.cat([new_states[members[r]][k].reshape(-1) for r in run])
-                    buf[lo:hi].copy_(torch.where(owned, new, buf[lo:hi]))
             flat = fcol.broadcast(torch.cat([new_values[j] for j in members]), owner, self.process_group)
             for j, part in zip(members, flat.split([new_values[j].numel() for j in members])):
                 i = items[j][0]
                 self.params[i].copy_(part.view_as(self.params[i]))
 
-    def _runs(self, indices: list[int]) -> list[list[int]]:
-        """Positions in ``indices`` grouped into runs whose state sits side by side in the buffer."""
-        runs: list[list[int]] = []
-        end = None  # where the previous parameter's state ends
-        for pos, i in enumerate(indices):
-            if self._offset[i] == end:
-                runs[-1].append(pos)
-            else:
-                runs.append([pos])
-            end = self._offset[i] + self.params[i].numel()
-        return runs
+    def _write_owned_state(self, i: int, new_state: dict[str, torch.Tensor], owned: torch.Tensor) -> None:
+        """Whole parameters: write parameter ``i``'s new state into this rank's flat buffers
+        where the rank owns it (``owned``, a 0-dim bool read at run time).
+
+        An ``index_put_`` rather than ``buf[lo:hi].copy_``: a traced slice write becomes a
+        ``slice_scatter`` of the whole buffer, and Inductor fuses a bucket's chain of them into
+        kernels over the whole buffer (measured: 26 members x 1.6M elements, about 15x the
+        update's own cost), while an ``index_put`` it turns back into an in-place write of the
+        slice (its index an ``arange`` computed in the kernel, never stored)."""
+        lo, n = self._offset[i], self.params[i].numel()
+        index = (torch.arange(lo, lo + n, device=self._device),)
+        for k, buf in self._buffers.items():
+            buf.index_put_(index, torch.where(owned, new_state[k].reshape(-1), buf[lo:lo + n]))
 
     def update(self, i: int, grad: torch.Tensor) -> None:
         """:meth:`update_bucket` of the one parameter ``i`` with its averaged gradient."""

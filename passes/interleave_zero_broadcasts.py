@@ -78,7 +78,8 @@ def _mutates(n: Node) -> bool:
 
 
 def _movable(n: Node) -> bool:
-    return n.op == "call_function" and not is_op(n, (WAIT,)) and not _mutates(n)
+    """A pure computation, or a constant (``get_attr``: e.g. an index tensor)."""
+    return n.op == "get_attr" or (n.op == "call_function" and not is_op(n, (WAIT,)) and not _mutates(n))
 
 
 def interleave_zero_broadcasts(graph: Graph) -> bool:

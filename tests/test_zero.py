@@ -163,6 +163,27 @@ def test_whole_parameter_assignment_is_balanced():
     assert offset == [0, 0, 100, 5, 65]
 
 
+def test_traced_whole_parameter_step_writes_each_state_in_place_and_bias_terms_once():
+    """The traced step of one bucket of four whole parameters (fake group, no ranks): each
+    member's state is written with ``index_put`` (Inductor makes it an in-place write of the
+    slice; a slice ``copy_`` became a ``slice_scatter`` of the whole flat buffer, which Inductor
+    chained into kernels over the whole buffer, 15x the update's cost), and Adam's bias terms
+    are computed once for the bucket (inside each update, Inductor's kernels recomputed two
+    float64 powers for every 8 elements)."""
+    from collections import Counter
+
+    from passes.testing import trace
+    from tests.graphs import zero_optimizer, zero_step_fn
+
+    zero = zero_optimizer(2, [(8,), (4, 4), (16,), (3,)], torch.optim.Adam)
+    fn, args = zero_step_fn(zero, "fp32", interleaved=True, bucket_bytes=10**6)  # one bucket
+    gm = trace(fn, *args(), world_size=2)
+    ops = Counter(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function")
+    assert not [op for op in ops if "scatter" in op or op.startswith("pow")], ops
+    assert ops["index_put.default"] == 4 * 2 + 1, ops  # 4 members x (exp_avg, exp_avg_sq), the step counts
+    assert ops["exp.default"] == 2, ops  # beta1**t and beta2**t, for the whole bucket
+
+
 def test_inductor_with_the_passes_matches_unsharded_optimizer():
     """Real Inductor compiles with the ZeRO passes installed: the schedule pass ran on both, and
     with shard_buckets the all_reduce + broadcasts became reduce_scatter + all_gather."""
