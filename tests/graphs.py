@@ -2,6 +2,8 @@
 (hook-shaped), or a backward that reduces one gradient after another (DDP-shaped: gradient
 compute, then the hook, results written to the gradients at the end)."""
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 
@@ -67,6 +69,10 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
     owned = zero._state if zero.shard_buckets else [zero._buffers]
 
     def fn(*args):
+        with mock.patch("torch.compiler.is_compiling", return_value=True):  # as Dynamo traces the hooks
+            return _fn(*args)
+
+    def _fn(*args):
         grads, params, flat_state = args[:n], args[n:2 * n], list(args[2 * n:])
         zero.params, zero._index = list(params), {id(p): i for i, p in enumerate(params)}
         zero._steps = flat_state.pop(0)
