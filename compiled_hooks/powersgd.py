@@ -275,6 +275,33 @@ def _slot(state: PowerSGDState, key: torch.Tensor) -> int:
     return slot
 
 
+UNROLLED_RANK = 8
+
+
+def _total(tensors: list[torch.Tensor]) -> torch.Tensor:
+    out = tensors[0]
+    for t in tensors[1:]:
+        out = out + t
+    return out
+
+
+def _low_rank_products(p: torch.Tensor, qt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``P Q^T`` twice: for the new error and for the gradient (``p``: ``n x r``, ``qt``: ``r x m``).
+
+    Eager, one GEMM. Traced, for ``r <= UNROLLED_RANK``, sums of ``r`` outer products, which are
+    pointwise, so Inductor computes each inside the kernel that writes the error or the gradient
+    and the ``n x m`` product is never stored; two expressions, summed in opposite orders so
+    that CSE does not merge them, because Inductor stores a pointwise result that has two
+    readers and more than 4 inputs. The gradient's is computed from the all-reduced factors
+    only, so it is the same on every rank (``M - new error`` would not be, bit for bit)."""
+    r = p.shape[1]
+    if not torch.compiler.is_compiling() or r > UNROLLED_RANK:
+        approx = p @ qt
+        return approx, approx
+    terms = [p[:, k:k + 1] * qt[k:k + 1] for k in range(r)]
+    return _total(terms), _total(terms[::-1])
+
+
 def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[torch.Tensor] = None) -> None:
     """Average ``grad`` across ``state.process_group`` in place, PowerSGD-compressed once
     ``state.start_powerSGD_iter`` steps are done (see the module docstring).
@@ -305,18 +332,20 @@ def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[t
         return
     error = s.error if s is not None else None
     warm_q = s.q if s is not None else None
-    m = grad.reshape(grad.shape[0], -1)
-    if error is not None:
-        m = m + error
-    # Q is kept transposed (r x m): with that layout the three products are fast row-major GEMMs
-    # (on one CPU thread, M.T @ P took 5.6 ms for a 1024 x 1024 M at rank 4, (P.T @ M) 0.4 ms).
+    local = grad.reshape(grad.shape[0], -1)
+    # M = local + error is never stored (a write and two reads of n x m): each product reads both.
+    # Q is kept transposed (r x m) and M^T P computed as (P^T M)^T, so the products are row-major
+    # GEMMs (one CPU thread, 1024 x 1024 M, rank 4: M.T @ P 5.6 ms, P.T @ M 0.4 ms).
+    terms = [local] if error is None else [local, error]
     eps = state.orthogonalization_epsilon
-    p = fcol.all_reduce(m @ orthogonalize(q0, eps, dim=0).t(), "sum", group)
+    q_hat = orthogonalize(q0, eps, dim=0).t()
+    p = fcol.all_reduce(_total([t @ q_hat for t in terms]), "sum", group)
     p = orthogonalize(p, eps)
-    qt = fcol.all_reduce(p.t() @ m, "sum", group) / n_ranks
-    approx = p @ qt
+    qt = fcol.all_reduce(_total([p.t() @ t for t in terms]), "sum", group) / n_ranks
+    approx_for_error, approx = _low_rank_products(p, qt)
     if error is not None:
-        error.copy_(m - approx)
+        error.copy_(local + error - approx_for_error)
     if warm_q is not None:
         warm_q.copy_(qt)
     grad.copy_(approx.view_as(grad))
+

@@ -139,8 +139,10 @@ def test_compiled_with_passes_matches_reference_and_ranks_stay_identical():
 
 def test_compiled_backward_code_has_one_all_reduce_per_bucket():
     """The compressed backward that Inductor generates, with the passes: no graph break, no
-    recompile once compression runs, and exactly three all_reduces per step (all P, all Q, all
-    uncompressed biases) for four layers, where the unbucketed graph has 4 x 2 + 4."""
+    recompile once compression runs, exactly three all_reduces per step (all P, all Q, all
+    uncompressed biases) for four layers, where the unbucketed graph has 4 x 2 + 4, and no
+    n x m buffer besides the four weight gradients autograd computes: neither M = G + E nor
+    P Q^T is stored (each was a write and a read of the whole gradient)."""
     from torch._inductor.utils import run_and_get_code
 
     from tests.conftest import fake_process_group
@@ -175,6 +177,7 @@ def test_compiled_backward_code_has_one_all_reduce_per_bucket():
     call = backward[backward.index("def call("):]
     assert call.count("_c10d_functional.all_reduce_.default(") == 3, call
     assert call.count("powersgd_count.default(") == 8  # every parameter counted
+    assert call.count("empty_strided_cpu((64, 64)") == 4, call
 
 
 def _quality_worker(rank, world_size, steps):
