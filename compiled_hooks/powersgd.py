@@ -348,4 +348,3 @@ def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[t
     if warm_q is not None:
         warm_q.copy_(qt)
     grad.copy_(approx.view_as(grad))
-
