@@ -334,14 +334,16 @@ def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[t
     warm_q = s.q if s is not None else None
     local = grad.reshape(grad.shape[0], -1)
     # M = local + error is never stored (a write and two reads of n x m): each product reads both.
-    # Q is kept transposed (r x m) and M^T P computed as (P^T M)^T, so the products are row-major
-    # GEMMs (one CPU thread, 1024 x 1024 M, rank 4: M.T @ P 5.6 ms, P.T @ M 0.4 ms).
+    # Q is kept transposed (r x m) and M^T P computed as (P^T M)^T with P^T made contiguous, so
+    # the products are row-major GEMMs (one CPU thread, 1024 x 1024 M, rank 4: M.T @ P 5.3 ms,
+    # P.t() @ M 0.84 ms, P.t().contiguous() @ M 0.53 ms).
     terms = [local] if error is None else [local, error]
     eps = state.orthogonalization_epsilon
     q_hat = orthogonalize(q0, eps, dim=0).t()
     p = fcol.all_reduce(_total([t @ q_hat for t in terms]), "sum", group)
     p = orthogonalize(p, eps)
-    qt = fcol.all_reduce(_total([p.t() @ t for t in terms]), "sum", group) / n_ranks
+    pt = p.t().contiguous()
+    qt = fcol.all_reduce(_total([pt @ t for t in terms]), "sum", group) / n_ranks
     approx_for_error, approx = _low_rank_products(p, qt)
     if error is not None:
         error.copy_(local + error - approx_for_error)
