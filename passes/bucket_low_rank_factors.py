@@ -5,9 +5,9 @@ gradient ``M``, ``P = M @ Q`` and all_reduces it, orthogonalizes P, computes ``Q
 and all_reduces that: two tiny collectives per parameter, each paying a collective's fixed
 cost, and so does the plain all_reduce of every gradient it does not compress (a bias). This
 pass merges them the way the original hook does per bucket: every all_reduce of a matrix
-product (``mm``, or a sum of them) is a candidate, and so is, in a graph that has such
-products, every all_reduce of a gradient that PowerSGD's counting op
-(``compiled_hooks::powersgd_count``) also reads. Candidates of the same kind (group, reduce
+product (``mm``) is a candidate, and so is, in a graph that has such products, every
+all_reduce of a gradient that PowerSGD's counting op (``compiled_hooks::powersgd_count``)
+also reads. Candidates of the same kind (group, reduce
 op, dtype, device) at the same *round* share a bucket, up to ``factor_bucket_cap_mb`` of
 bytes. The round of a candidate is the number of candidates on the longest dependency path
 into it (the P and the uncompressed all_reduces are round 0, the Q all_reduces round 1), so
@@ -46,19 +46,9 @@ PASS = "bucket_low_rank_factors"
 MM_OPS = (aten.mm.default,)
 
 
-def _product(node: Any) -> bool:
-    """A matrix product, or a sum of them (with error feedback the hook computes ``(G + E) Q``
-    as ``G Q + E Q``, which Inductor's own patterns may have turned into ``addmm(G Q, E, Q)``)."""
-    if is_op(node, (aten.add.Tensor,)) and len(node.args) == 2 and not node.kwargs:
-        return all(_product(a) for a in node.args)
-    if is_op(node, (aten.addmm.default,)) and not node.kwargs:  # beta = alpha = 1
-        return _product(node.args[0])
-    return is_op(node, MM_OPS)
-
-
 def _factor(node: Node) -> bool:
-    """An all_reduce of a matrix product (or of a sum of them)."""
-    return node.target is ALL_REDUCE and _product(node.args[0])
+    """An all_reduce of a matrix product."""
+    return node.target is ALL_REDUCE and is_op(node.args[0], MM_OPS)
 
 
 def _counted(node: Node) -> bool:
