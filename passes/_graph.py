@@ -48,9 +48,13 @@ CAST_OPS = (prims.convert_element_type.default, aten._to_copy.default)
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SCALE_OPS = MUL_OPS + DIV_OPS
 
-# Backends whose all_reduce / reduce_scatter implement ReduceOp.AVG (checked on torch 2.13).
-# "fake" is the test backend: it performs no communication.
-AVG_BACKENDS = frozenset({"gloo", "nccl", "fake"})
+# Backends where reduce op avg is worth folding into: NCCL averages inside the collective.
+# gloo implements avg too (torch 2.13), but as a sum followed by a division pass over the
+# result in the wire dtype, issued after the wire time: a bf16 all_reduce of 1M elements took
+# 7.3 ms with avg against 4.5 ms with sum on 2 ranks over loopback. There the factors become
+# one multiplication before the cast, inside the cast's kernel. "fake" is the test backend
+# (no communication; it stands for NCCL in traced graphs).
+AVG_BACKENDS = frozenset({"nccl", "fake"})
 
 
 def record(pass_name: str, event: str, node: Optional[Node] = None) -> None:

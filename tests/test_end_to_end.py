@@ -67,7 +67,9 @@ def test_compiled_ddp_with_pipeline():
         assert plain["all_reduce_calls"] == 2 * LAYERS  # one per parameter without the passes
         assert fused["buckets"] >= 1
         assert fused["all_reduce_calls"] <= fused["buckets"], fused
-        assert fused["avg_calls"] == fused["all_reduce_calls"]  # the divisions went into the collective
+        # gloo is not in AVG_BACKENDS (its avg is a sum and then a division pass over the bucket):
+        # the collective stays a sum, the division stays in fp32 before the cast, in its kernel
+        assert fused["avg_calls"] == 0
         assert fused["collectives_seen"] >= 1 and fused["scales_left"] == 0
         for i, (a, b) in enumerate(zip(plain["grads"], fused["grads"])):
             # 2 ranks, power-of-two factors: the same bf16 sums, so the same gradients

@@ -24,8 +24,7 @@ def test_train_ddp_example_with_verified_passes():
     assert "--- compiled DDP + bf16_compress_hook + passes ---" in proc.stdout
     # the passes rewrote the example's backward and the verifier found nothing wrong
     passes_line = next(line for line in proc.stdout.splitlines() if line.startswith("passes: "))
-    assert "folded factors into reduce op avg" in passes_line and "bucketed" in passes_line, passes_line
-    assert "fold_collective_scaling: verified" in passes_line and "fuse_collective_casts: verified" in passes_line
+    assert "bucketed" in passes_line and "fuse_collective_casts: verified" in passes_line, passes_line
     assert proc.stdout.count("step ") == 12
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and "(OK" in final[0], proc.stdout
