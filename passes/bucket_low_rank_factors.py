@@ -7,11 +7,11 @@ cost, and so does the plain all_reduce of every gradient it does not compress (a
 pass merges them the way the original hook does per bucket: every all_reduce of a matrix
 product (``mm``) is a candidate, and so is, in a graph that has such products, every
 all_reduce of a gradient that PowerSGD's counting op (``compiled_hooks::powersgd_count``)
-also reads. Candidates of the same kind (group, reduce
-op, dtype, device) at the same *round* share a bucket, up to ``factor_bucket_cap_mb`` of
-bytes. The round of a candidate is the number of candidates on the longest dependency path
-into it (the P and the uncompressed all_reduces are round 0, the Q all_reduces round 1), so
-the members of a bucket never depend on each other. For two parameters::
+also reads. Candidates of the same kind (group, reduce op, dtype, device) at the same
+*round* share a bucket, up to ``factor_bucket_cap_mb`` of bytes. The round of a candidate is
+the number of candidates on the longest dependency path into it (the P and the uncompressed
+all_reduces are round 0, the Q all_reduces round 1), so the members of a bucket never depend
+on each other. For two parameters::
 
     before                                     after
     p1 = mm(m1, q1)                            p1 = mm(m1, q1)
