@@ -23,11 +23,12 @@ Left alone (counted in ``counters["passes"]`` with the reason): a reduce op othe
 an fp16 wire dtype (the split guards against overflow), a non-constant factor, an
 intermediate with another user, a chain that starts or ends at another collective (its
 factors may belong to the other group), a group that cannot be resolved or whose size
-disagrees, a single factor whose product is not 1/N (nothing to merge).
+disagrees, a single factor unless it is 1/N on an ``avg_backends`` group (nothing to merge:
+on gloo a hook's single pre-division already sits in the cast's kernel).
 ``avg`` is used only on ``avg_backends`` (those that average inside the collective, not gloo:
 see ``passes._graph.AVG_BACKENDS``) and never at world size 1 (NCCL's avg is wrong there; at
-N == 1 the product is 1 and the factors simply go). Idempotent: a
-folded chain has reduce op avg, or a single factor.
+N == 1 the product is 1 and the factors simply go). Idempotent: a folded chain has reduce op
+avg, or a single factor.
 
 Numerics: exact when all factors are powers of two (every division by a power of two is
 exact, and so is the rounding of a sum scaled by one); otherwise within one rounding of the
