@@ -9,11 +9,13 @@ depends on the rank. ``install()`` registers a :class:`Pipeline` of them with In
 from . import testing
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
+from .fuse_cat_prologue import fuse_cat_prologue
 from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .pipeline import Pipeline, default_pipeline, install
 from .rank_guard import RankDivergenceError
+from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update
 from .verify import PassVerificationError
@@ -21,9 +23,11 @@ from .verify import PassVerificationError
 __all__ = [
     "fold_collective_scaling",
     "fuse_collective_casts",
+    "fuse_cat_prologue",
     "bucket_low_rank_factors",
     "interleave_zero_broadcasts",
     "schedule_collectives",
+    "reinplace_broadcasts",
     "shard_weight_update",
     "insert_rank_guard",
     "RankDivergenceError",

@@ -37,6 +37,7 @@ ALL_REDUCE = c10d_ops.all_reduce.default
 REDUCE_SCATTER = c10d_ops.reduce_scatter_tensor.default
 ALL_GATHER = c10d_ops.all_gather_into_tensor.default
 BROADCAST = c10d_ops.broadcast.default
+BROADCAST_ = c10d_ops.broadcast_.default  # in place (reinplace_broadcasts)
 WAIT = c10d_ops.wait_tensor.default
 GROUP_RANK = torch.ops.compiled_hooks.group_rank.default  # this rank, read at run time
 POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default  # PowerSGD's step counter (side effect)

@@ -30,10 +30,12 @@ from torch.fx import Graph
 
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
+from .fuse_cat_prologue import fuse_cat_prologue
 from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .rank_guard import RankDivergenceError, unraised_verdict
+from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from ._graph import check_graph
@@ -191,13 +193,13 @@ class Pipeline(CustomGraphPass):
 def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False,
                      check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
     """``fold_collective_scaling``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
-    ``interleave_zero_broadcasts``, ``schedule_collectives`` (options: ``avg_backends``,
-    ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``; ``shard_backends`` with
-    ``shard_weight_update``); with
-    ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces it
+    ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
+    ``reinplace_broadcasts`` (options:
+    ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``;
+    ``shard_backends`` with ``shard_weight_update``); with ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces it
     rewrites); ``check_ranks`` as in :class:`Pipeline`."""
-    passes = [fold_collective_scaling, fuse_collective_casts, bucket_low_rank_factors, interleave_zero_broadcasts,
-              schedule_collectives]
+    passes = [fold_collective_scaling, fuse_collective_casts, bucket_low_rank_factors, fuse_cat_prologue,
+              interleave_zero_broadcasts, schedule_collectives, reinplace_broadcasts]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)

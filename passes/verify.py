@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
-from ._graph import (ALL_GATHER, ALL_REDUCE, BROADCAST, COLLECTIVES, GROUP_RANK, POWERSGD_COUNT, REDUCE_SCATTER, WAIT,
-                     group_info, record)
+from ._graph import (ALL_GATHER, ALL_REDUCE, BROADCAST, BROADCAST_, COLLECTIVES, GROUP_RANK, POWERSGD_COUNT,
+                     REDUCE_SCATTER, WAIT, group_info, record)
 from .testing import graph_str
 
 __all__ = ["PassVerificationError", "check_rewrite", "simulate", "random_inputs", "copy_graph"]
@@ -79,6 +79,7 @@ _SIMULATED: dict[Any, Callable[..., Any]] = {
     WAIT: lambda x: x,
     ALL_GATHER: lambda x, n, group: torch.cat([x] * n),
     BROADCAST: lambda x, src, group: x.clone(),
+    BROADCAST_: lambda x, src, group: x,
     GROUP_RANK: lambda group, device: torch.zeros(1, dtype=torch.int64, device=device),
     # PowerSGD's step counter: never run (it would count a step of the state); its Q is a fixed
     # function of the slot, the same in both graphs.

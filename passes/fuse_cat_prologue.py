@@ -1,0 +1,79 @@
+"""fuse_cat_prologue: a bucket's scales and casts move into the members of its ``cat``.
+
+A hook that receives a bucket already packed (the ZeRO hooks' ``cat`` of gradients, a user's
+own flat bucket) divides and casts the whole flat tensor before the collective. Inductor then
+writes the members into the ``cat`` buffer, reads it back in a second kernel for the scale, and
+writes a third buffer: a full pass over the bucket (measured on the ZeRO benchmark's
+transformer, a 2.9M-element fp32 bucket: 4.1-5.7 ms per step in two profiles, as much as the
+compiled AdamW arithmetic over all its parameters). Elementwise ops commute with
+concatenation, so the pass applies them to each member instead; Inductor fuses each into the
+kernel that writes the member into the bucket, and the collective reads the ``cat`` itself::
+
+    before                                   after
+    flat = cat([a, b])                       sa = div(a, 2.0)
+    d = div(flat, 2.0)                       sb = div(b, 2.0)
+    c = convert_element_type(d, bf16)        ca = convert_element_type(sa, bf16)
+    r = all_reduce(c, "sum", group)          cb = convert_element_type(sb, bf16)
+                                             r = all_reduce(cat([ca, cb]), "sum", group)
+
+Matched: an ``all_reduce`` / ``reduce_scatter_tensor`` whose input chain (``passes._graph``)
+starts at a ``cat`` along dim 0 of 1-D tensors that nothing else reads, through constant
+scales, floating casts and 1-D views only. Anything else is left alone. Values are bitwise
+the same (the same op on every element). Idempotent: afterwards the collective reads the
+``cat``, with no chain in between. Run after ``fold_collective_scaling`` (it merges the
+factors first) and after ``fuse_collective_casts`` (it keeps seeing single compressed
+collectives as such).
+"""
+
+from __future__ import annotations
+
+from torch.fx import Graph, Node
+
+from ._graph import VIEW_OPS, aten, cast_dtype, chains, is_op, new_node, record, scale_factor, val
+
+PASS = "fuse_cat_prologue"
+
+
+def _why_not(cat: Node, pre: list[Node]) -> str | None:
+    if not is_op(cat, (aten.cat.default,)):
+        return "not a cat"  # the common case: not counted
+    if len(cat.users) != 1:
+        return "the cat has another user"
+    if any(not hasattr(val(m), "dim") or val(m).dim() != 1 for m in cat.args[0]):
+        return "a member is not 1-D"  # so the cat is along dim 0 (or -1, the same)
+    for n in pre:
+        if not (scale_factor(n) is not None or cast_dtype(n) is not None or is_op(n, VIEW_OPS)):
+            return f"{n.name} is not a constant scale, cast or view"
+        if val(n).dim() != 1:
+            return f"{n.name} is not 1-D"
+    return None
+
+
+def fuse_cat_prologue(graph: Graph) -> bool:
+    """Move the scales and casts between a bucket's ``cat`` and its collective into the
+    members (see the module docstring). Returns True when the graph changed."""
+    changed = False
+    for chain in chains(graph, PASS):
+        if not chain.pre:
+            continue
+        cat = chain.start
+        reason = _why_not(cat, chain.pre)
+        if reason == "not a cat":
+            continue
+        if reason is not None:
+            record(PASS, f"skipped: {reason}", chain.collective)
+            continue
+        ops = [n for n in chain.pre if not is_op(n, VIEW_OPS)]  # 1-D views of a 1-D tensor: identities
+        with graph.inserting_before(chain.collective):
+            members = []
+            for m in cat.args[0]:
+                for op in ops:
+                    m = new_node(graph, op.target, (m, *op.args[1:]), dict(op.kwargs))
+                members.append(m)
+            flat = new_node(graph, aten.cat.default, (members,))
+        chain.collective.replace_input_with(chain.collective.args[0], flat)
+        for n in reversed([cat, *chain.pre]):
+            graph.erase_node(n)
+        record(PASS, f"moved {len(ops)} op(s) into the cat's members", chain.collective)
+        changed = True
+    return changed
