@@ -1,0 +1,111 @@
+"""Why ZeRO's whole-parameter step computes every update on every rank: compiled AdamW over the
+benchmark transformer's 3.2M parameters (52 tensors), as one update, against the
+rank-independent ways of updating only this rank's half.
+
+    python benchmarks/zero_update_layouts.py
+
+One process, one thread, each variant compiled with Inductor, medians of 12 calls:
+
+- all: the whole flat update (what every rank computes today);
+- gather: this rank's elements through an index table read at run time (``flat[table[rank]]``
+  and ``index_put_`` back), so the graph is the same on every rank;
+- window: a contiguous window at a run-time offset (``flat[start + arange(L)]``, masked);
+- owner-major row: the bucket laid out as ``[world, L]`` rows and this rank's row selected
+  with ``index_select(0, rank)``, the ``cat`` of the parameters included;
+- and torch's eager foreach AdamW over the same tensors, for scale.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from compiled_hooks.optim_math import UPDATES, step_scalars  # noqa: E402
+
+HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+RULE = UPDATES[torch.optim.AdamW]
+
+
+def median_ms(fn, *args, calls: int = 12, warmup: int = 3) -> float:
+    times = []
+    for _ in range(warmup + calls):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:]) * 1e3
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    members, n = 52, 3_200_000
+    sizes = [n // members] * members
+    n, half = sum(sizes), sum(sizes) // 2
+    params = [torch.randn(s) for s in sizes]
+    flat_p, g = torch.randn(n), torch.randn(n)
+    m, v = torch.zeros(n), torch.zeros(n)
+    steps = torch.ones(members, dtype=torch.float64)
+    rank = torch.tensor([0])
+    starts = [sum(sizes[:j]) for j in range(members)]
+    mine = [j for j in range(members) if j % 2 == 0]
+    table = torch.cat([torch.arange(starts[j], starts[j] + sizes[j]) for j in mine]).expand(2, -1).contiguous()
+    member_of = torch.cat([torch.full((sizes[j],), j) for j in mine]).expand(2, -1).contiguous()
+
+    def update_all(p, g, m, v, steps):
+        new, state = RULE(p, g, {"exp_avg": m, "exp_avg_sq": v}, step_scalars(HP, steps)[0], HP)
+        m.copy_(state["exp_avg"])
+        v.copy_(state["exp_avg_sq"])
+        p.copy_(new)
+
+    def update_gather(params, g, m, v, steps, table, member_of, rank):
+        index = table.index_select(0, rank).view(-1)
+        step = step_scalars(HP, steps)[member_of.index_select(0, rank).view(-1)].T
+        flat = torch.cat([p.reshape(-1) for p in params])
+        new, state = RULE(flat[index], g[index], {"exp_avg": m[index], "exp_avg_sq": v[index]}, step, HP)
+        m.index_put_((index,), state["exp_avg"])
+        v.index_put_((index,), state["exp_avg_sq"])
+        return new
+
+    def update_window(p, g, m, v, steps, start, length):
+        k = torch.arange(half)
+        index, keep = (start + k).clamp(max=n - 1), k < length
+        old_m, old_v = m[index], v[index]
+        new, state = RULE(p[index], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, step_scalars(HP, steps)[0], HP)
+        m.index_put_((index,), torch.where(keep, state["exp_avg"], old_m))
+        v.index_put_((index,), torch.where(keep, state["exp_avg_sq"], old_v))
+        return new
+
+    def update_row(params, g, m, v, steps, rank):
+        row = torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
+        grad = g.view(2, half).index_select(0, rank).view(-1)
+        new, state = RULE(row, grad, {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, step_scalars(HP, steps)[0], HP)
+        m[:half].copy_(state["exp_avg"])
+        v[:half].copy_(state["exp_avg_sq"])
+        return new
+
+    torch_opt = torch.optim.AdamW([torch.nn.Parameter(p.clone()) for p in params], lr=HP["lr"],
+                                  weight_decay=HP["weight_decay"])
+    for p in torch_opt.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    rows = [
+        ("all (every rank today)", n, torch.compile(update_all), (flat_p, g, m, v, steps)),
+        ("gather through an index table", half, torch.compile(update_gather),
+         (params, g, m, v, steps, table, member_of, rank)),
+        ("window at a run-time offset", half, torch.compile(update_window),
+         (flat_p, g, m, v, steps, torch.tensor(1000), torch.tensor(half - 5))),
+        ("owner-major row (index_select)", half, torch.compile(update_row), (params, g, m, v, steps, rank)),
+        ("torch AdamW, eager foreach", n, torch_opt.step, ()),
+    ]
+    print(f"AdamW, {members} tensors, {n / 1e6:.1f}M parameters, 1 thread, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}\n")
+    print("| update | elements | median (ms) |\n|---|---:|---:|")
+    for name, elements, fn, args in rows:
+        print(f"| {name} | {elements / 1e6:.1f}M | {median_ms(fn, *args):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
