@@ -194,10 +194,10 @@ def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool
                      check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
     """``fold_collective_scaling``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
     ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
-    ``reinplace_broadcasts`` (options:
-    ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``;
-    ``shard_backends`` with ``shard_weight_update``); with ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces it
-    rewrites); ``check_ranks`` as in :class:`Pipeline`."""
+    ``reinplace_broadcasts`` (options: ``avg_backends``, ``bucket_cap_mb``,
+    ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``; ``shard_backends`` with
+    ``shard_weight_update``); with ``shard_weight_update=True`` that pass first (before
+    bucketing could merge the all_reduces it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
     passes = [fold_collective_scaling, fuse_collective_casts, bucket_low_rank_factors, fuse_cat_prologue,
               interleave_zero_broadcasts, schedule_collectives, reinplace_broadcasts]
     if shard_weight_update:
