@@ -185,8 +185,9 @@ def test_traced_whole_parameter_step_writes_each_state_in_place_and_bias_terms_o
 
 
 def test_inductor_with_the_passes_matches_unsharded_optimizer():
-    """Real Inductor compiles with the ZeRO passes installed: the schedule pass ran on both, and
-    with shard_buckets the all_reduce + broadcasts became reduce_scatter + all_gather."""
+    """Real Inductor compiles with the ZeRO passes installed: the schedule pass ran on both,
+    with shard_buckets the all_reduce + broadcasts became reduce_scatter + all_gather, and with
+    whole parameters the packed buckets' division and the owners' broadcasts run in place."""
     configs = [("adam", "interleaved", True), ("sgd_momentum", "after_backward", False)]
     outcomes = run_ranks(zero_worker, 2, configs, "inductor", timeout=600)
     check(outcomes, 2)
@@ -198,6 +199,11 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
         print("SUMMARY inductor ZeRO pass counters:", sharded, whole)
         assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 3, sharded
         assert whole.get("interleave_zero_broadcasts: update placed after its gradient") == 4, whole  # 4 owner broadcasts
+        # whole parameters: the two buckets and two owner broadcasts packed with a cat (the rest hold one tensor)
+        assert whole.get("fuse_cat_prologue: moved 1 op(s) into the cat's members") == 2, whole
+        assert whole.get("reinplace_broadcasts: broadcast in place on its packed input") == 2, whole
+        # shard_buckets packs rank-major (a cat of [N, chunk] rows), which fuse_cat_prologue leaves alone
+        assert sharded.get("fuse_cat_prologue: skipped: a member is not 1-D") == 2, sharded
 
 
 SEED_HOOKS = {  # what a user of the original passes: (hook, state maker), DDP's reducer
