@@ -29,14 +29,12 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import VIEW_OPS, aten, cast_dtype, chains, is_op, new_node, record, scale_factor, val
+from ._graph import VIEW_OPS, aten, cast_dtype, chains, flat_value, is_op, new_node, record, scale_factor, val
 
 PASS = "fuse_cat_prologue"
 
 
 def _why_not(cat: Node, pre: list[Node]) -> str | None:
-    if not is_op(cat, (aten.cat.default,)):
-        return "not a cat"  # the common case: not counted
     if len(cat.users) != 1:
         return "the cat has another user"
     if any(not hasattr(val(m), "dim") or val(m).dim() != 1 for m in cat.args[0]):
@@ -54,12 +52,10 @@ def fuse_cat_prologue(graph: Graph) -> bool:
     members (see the module docstring). Returns True when the graph changed."""
     changed = False
     for chain in chains(graph, PASS):
-        if not chain.pre:
-            continue
         cat = chain.start
-        reason = _why_not(cat, chain.pre)
-        if reason == "not a cat":
+        if not chain.pre or not is_op(cat, (aten.cat.default,)):  # the common case: not counted
             continue
+        reason = _why_not(cat, chain.pre)
         if reason is not None:
             record(PASS, f"skipped: {reason}", chain.collective)
             continue
@@ -70,7 +66,8 @@ def fuse_cat_prologue(graph: Graph) -> bool:
                 for op in ops:
                     m = new_node(graph, op.target, (m, *op.args[1:]), dict(op.kwargs))
                 members.append(m)
-            flat = new_node(graph, aten.cat.default, (members,))
+            total = sum(val(m).numel() for m in members)
+            flat = new_node(graph, aten.cat.default, (members,), value=flat_value(val(members[0]), total))
         chain.collective.replace_input_with(chain.collective.args[0], flat)
         for n in reversed([cat, *chain.pre]):
             graph.erase_node(n)
