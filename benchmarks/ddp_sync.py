@@ -3,10 +3,12 @@
     python benchmarks/ddp_sync.py                 # 2 CPU ranks over loopback
     python benchmarks/ddp_sync.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
-Models: MLPs of Linear + ReLU at batch 32, ``mlp-32x256`` (32 layers of width 256: 64 small
-tensors, backward compute longer than its gradient traffic) and ``mlp-8x1024`` (8 layers of
-width 1024: 16 tensors, 8.4M parameters, bandwidth-bound on a slow link); the main example's
-transformer as ``transformer-small`` / ``transformer-medium``. Configurations:
+Models: MLPs of Linear + ReLU, ``mlp-32x256`` (32 layers of width 256: 64 small tensors, 4 MB
+of bf16 gradients; at batch 32 its backward, ~10 ms here, is shorter than those bytes' ~17 ms
+on a 2 Gbit/s link), ``mlp-32x256-b128`` (the same at batch 128: backward compute longer than
+its gradient traffic) and ``mlp-8x1024`` (8 layers of width 1024 at batch 32: 16 tensors, 8.4M
+parameters, bandwidth-bound on a slow link); the main example's transformer as
+``transformer-small`` / ``transformer-medium``. Configurations:
 
 - peers: eager DDP (fp32), eager DDP + torch's ``fp16_compress_hook``, and compiled DDP with
   the same hook as ours plus torch's own bucketing (``torch._inductor.config
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -54,11 +57,13 @@ import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
 from launch import add_link_argument, describe_link, launch  # noqa: E402
 
-MODELS = {"mlp-32x256": ("mlp", 256, 32), "mlp-8x1024": ("mlp", 1024, 8),
-          "transformer-small": ("transformer", 64, 4), "transformer-medium": ("transformer", 256, 4)}
+MODELS = {"mlp-32x256": ("mlp", 256, 32, 32), "mlp-32x256-b128": ("mlp", 256, 32, 128),
+          "mlp-8x1024": ("mlp", 1024, 8, 32),
+          "transformer-small": ("transformer", 64, 4, 8), "transformer-medium": ("transformer", 256, 4, 8)}
 PEERS = ["eager DDP", "eager DDP + torch fp16 hook", "compiled + bf16 hook + torch bucketing"]
 OURS = ["compiled + bf16 hook + passes"]
 CONFIGS = PEERS + OURS + ["compiled + bf16 hook", "compute alone (compiled, no DDP)"]
+STEP = "ddp_sync step"
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 COLLECTIVES = ("_c10d_functional::all_reduce_", "_c10d_functional::reduce_scatter_tensor",
                "c10d::allreduce_")
@@ -68,15 +73,16 @@ def make_model(name: str, extra_dims: int) -> tuple[nn.Module, tuple, torch.Tens
     """The model, its input and target. ``extra_dims`` adds a one-element parameter of that
     rank: compiled autograd caches backward graphs by structure and would otherwise serve every
     compiled configuration the graph it compiled first."""
-    kind, width, depth = MODELS[name]
+    kind, width, depth, batch_size = MODELS[name]
     torch.manual_seed(0)
     if kind == "mlp":
         net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
         g = torch.Generator().manual_seed(dist.get_rank())
-        inputs, target = (torch.randn(32, width, generator=g),), torch.randn(32, width, generator=g)
+        inputs = (torch.randn(batch_size, width, generator=g),)
+        target = torch.randn(batch_size, width, generator=g)
     else:
         net = TinyTransformer(dim=width, layers=depth)
-        tokens, target = batch(dist.get_rank(), 0, batch_size=8, seq_len=32)
+        tokens, target = batch(dist.get_rank(), 0, batch_size=batch_size, seq_len=32)
         inputs = (tokens,)
     net.register_parameter("extra", nn.Parameter(torch.zeros((1,) * extra_dims)))
     return net, inputs, target
@@ -128,13 +134,16 @@ class Config:
             (loss_of(out, self.target) + 0 * self.net.extra.sum()).backward()
 
     def profile(self, steps: int = 5) -> None:
-        """Collectives, bytes to collectives and blocked wait time per step."""
-        from torch.profiler import ProfilerActivity, profile
+        """Collectives, bytes to collectives, blocked wait time per step, and the last step's
+        timeline."""
+        from torch.profiler import ProfilerActivity, profile, record_function
 
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(steps):
                 dist.barrier()
-                self.step()
+                with record_function(STEP):
+                    self.step()
+        self.timeline = timeline(prof.events())
         events = [e for e in prof.events() if e.name in COLLECTIVES]
         functional = [e for e in events if e.name.startswith("_c10d_functional")]
         self.collectives = len(functional or events) / steps
@@ -144,6 +153,30 @@ class Config:
                  and (e.cpu_parent is None or e.cpu_parent.name != e.name)]  # the op, not its kernel
         self.exposed_ms = sum(e.cpu_time_total for e in waits) / 1e3 / steps if self.compiled else None
         self.matmul_ms = sum(e.cpu_time_total for e in prof.events() if e.name in MATMULS) / 1e3 / steps
+
+
+def timeline(events: list) -> list[str]:
+    """The last profiled step, in ms from its start: the compiled forward, and per collective
+    when the graph issued it, when the backend's thread moved it (``gloo:...`` / ``nccl:...``
+    events, on their own threads) and when the graph waited for it."""
+    step = [e for e in events if e.name == STEP][-1]
+    t0, t1 = step.time_range.start, step.time_range.end
+
+    def span(e) -> str:
+        return f"{(e.time_range.start - t0) / 1e3:.1f}-{(e.time_range.end - t0) / 1e3:.1f}"
+
+    inside = sorted((e for e in events if t0 <= e.time_range.start and e.time_range.end <= t1),
+                    key=lambda e: e.time_range.start)
+    issued = [e for e in inside if e.name in COLLECTIVES and e.name.startswith("_c10d_functional")]
+    moved = [e for e in inside if e.name.split(":")[0] in ("gloo", "nccl")]
+    waits = [e for e in inside if e.name == "_c10d_functional::wait_tensor"
+             and (e.cpu_parent is None or e.cpu_parent.name != e.name)]
+    forward = [span(e) for e in inside if e.name == "CompiledFunction"]
+    lines = [f"step {(t1 - t0) / 1e3:.1f} ms; compiled forward {', '.join(forward) or '-'}"]
+    lines += [f"collective {i}: issued {span(a)}, backend {span(m) if m else '-'}, waited {span(w) if w else '-'}"
+              for i, (a, m, w) in enumerate(itertools.zip_longest(issued, moved[: len(issued)], waits))
+              if a is not None]
+    return lines
 
 
 def _numel(shape: list[int]) -> int:
@@ -233,7 +266,10 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
     ours = next(c for c in configs if c.name in OURS)
     print(f"\nthe passes took {ours.passes_s * 1e3:.0f} ms of the {ours.compile_s:.1f} s its first two steps took "
           f"(compile included; {ours.passes_s / ours.compile_s:.1%}; 0 when Inductor served the graphs from its cache).")
-    print(f"best peer: {best_peer}. Bound {bound:.1f} ms = max(forward {fwd:.1f} + first gradient {first:.1f} "
+    print(f"\ntimeline of one profiled step of {ours.name} (ms from the step's start; every collective's "
+          "issue, its time in the backend's thread, its wait):\n")
+    print("\n".join("    " + line for line in ours.timeline))
+    print(f"\nbest peer: {best_peer}. Bound {bound:.1f} ms = max(forward {fwd:.1f} + first gradient {first:.1f} "
           f"+ wire time of all gradients in bf16 {wire:.1f}, compute alone {compute:.1f}); forward and first "
           f"gradient timed eagerly, wire time as one all_reduce of {elements / 1e6:.2f}M bf16 elements, which also "
           f"took {wire_cpu:.1f} ms of CPU time in each rank's process.")
@@ -251,7 +287,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--models", nargs="+", default=["mlp-32x256", "mlp-8x1024"], choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["mlp-32x256", "mlp-32x256-b128", "mlp-8x1024"], choices=list(MODELS))
     parser.add_argument("--bucket-cap-mb", type=float, help="the passes' bucket cap (default: the pipeline's)")
     add_link_argument(parser)
     parser.set_defaults(world_size=2)
