@@ -10,16 +10,23 @@ gradient wait.
 The schedule follows the graph it is given, which the two ZeRO hooks make different:
 
 - interleaved (``hook_with_zero_step_interleaved``: some broadcast comes before a gradient
-  collective): each update is moved right after its gradient collective's wait and its
-  broadcast issued at once, so it runs while later gradient collectives are in flight::
+  collective): the hook traces each bucket's update and broadcasts right after its gradient
+  collective, which would make the rest of backward wait for that collective. Everything
+  between a gradient collective and the next one that depends on the first one's result (its
+  wait, the update, the broadcasts and their waits) moves down to just before the next
+  gradient collective, after the backward compute that collective needs, so the first one runs
+  meanwhile; the broadcasts are still issued ahead of that next collective (the collective
+  order is the hook's). The last bucket's update, with no gradient collective after it, is
+  placed right after its gradient's wait::
 
       before                             after
       ar1 = all_reduce(g1)               ar1 = all_reduce(g1)
-      ar2 = all_reduce(g2)               ar2 = all_reduce(g2)
-      w1 = wait(ar1)                     w1 = wait(ar1)
-      w2 = wait(ar2)                     u1 = update(p1, w1); b1 = broadcast(u1)
-      u1 = update(p1, w1)                w2 = wait(ar2)
-      b1 = broadcast(u1); wb1 = wait(b1) u2 = update(p2, w2); b2 = broadcast(u2)
+      w1 = wait(ar1)                     g2 = backward(...)        # runs while ar1 is in flight
+      u1 = update(p1, w1)                w1 = wait(ar1)
+      b1 = broadcast(u1); wb1 = wait(b1) u1 = update(p1, w1); b1 = broadcast(u1)
+      g2 = backward(...)                 ar2 = all_reduce(g2)
+      ar2 = all_reduce(g2)               w2 = wait(ar2)
+      w2 = wait(ar2)                     u2 = update(p2, w2); b2 = broadcast(u2)
       u2 = ...; b2 = ...; wb2 = wait(b2) wb1 = wait(b1); wb2 = wait(b2)   # before first use
       copy_(p1, wb1); copy_(p2, wb2)     copy_(p1, wb1); copy_(p2, wb2)
 
@@ -28,14 +35,14 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
   its gradient's wait, in gradient order, overlapping the collectives still outstanding.
 
 In both, each broadcast's wait is moved to just before its first user (the write-back of the
-parameter), so all broadcasts are in flight together. Only compute nodes move: an update that
-depends on another collective, a wait or a mutation, or that comes after a write (which it
-might read) since its gradient's wait, is left where it is; no collective changes its position
-relative to another one except that a broadcast is issued earlier, at the same point of the
-graph on every rank (the graph is rank-independent).
+parameter), so all broadcasts are in flight together. Only compute nodes, waits and the ZeRO
+broadcasts move: an update that depends on another collective, a wait or a mutation, or that
+would move past a write (which it might read), is left where it is.
 """
 
 from __future__ import annotations
+
+import bisect
 
 from torch.fx import Graph, Node
 
@@ -82,6 +89,38 @@ def _movable(n: Node) -> bool:
     return n.op == "get_attr" or (n.op == "call_function" and not is_op(n, (WAIT,)) and not _mutates(n))
 
 
+def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Node, Node],
+                  gradient_collectives: list[Node], broadcasts: set[Node], mutations: list[int]
+                  ) -> dict[Node, tuple[list[Node], list[Node]]]:
+    """Interleaved schedule: next gradient collective -> the nodes (in graph order) that move to
+    just before it (the updates and their broadcasts) and just after it (the rest: the
+    broadcasts' waits, the new optimizer state). Between two gradient collectives, the nodes that depend on the first
+    one's result (backward's own compute does not) move if all of them can: compute,
+    gradient waits, ZeRO broadcasts and their waits, with no write in between."""
+    broadcast_waits = {next(iter(b.users)) for b in broadcasts}
+    held: dict[Node, list[Node]] = {}
+    for first, second in zip(gradient_collectives, gradient_collectives[1:]):
+        lo, hi = position[first], position[second]
+        region = [n for n in nodes[lo + 1:hi] if n in latest and latest[n].args[0] is first]
+        if not any(n in broadcasts for n in region):
+            continue
+        if bisect.bisect_right(mutations, lo) < bisect.bisect_left(mutations, hi):  # a write in between
+            record(PASS, "skipped: a write between two gradient collectives", second)
+            continue
+        if not all(_movable(n) or n in broadcasts or n in broadcast_waits
+                   or (is_op(n, (WAIT,)) and is_op(n.args[0], COLLECTIVES)) for n in region):
+            record(PASS, "skipped: the update depends on a collective, a wait or a mutation", second)
+            continue
+        inside, need, stack = set(region), set(), [n for n in region if n in broadcasts]
+        while stack:  # what the broadcasts need goes before the next collective, the rest after it
+            n = stack.pop()
+            if n not in need:
+                need.add(n)
+                stack.extend(i for i in n.all_input_nodes if i in inside)
+        held[second] = ([n for n in region if n in need], [n for n in region if n not in need])
+    return held
+
+
 def interleave_zero_broadcasts(graph: Graph) -> bool:
     """Schedule ZeRO updates and broadcasts (see the module docstring); True if the order changed."""
     check_graph(PASS, graph)
@@ -95,8 +134,19 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
     gradient_collectives = [n for n in nodes if is_op(n, COLLECTIVES)]
     if not broadcasts or not gradient_collectives:
         return False
-    interleaved = position[broadcasts[0]] < position[gradient_collectives[-1]]
     last_issue = gradient_collectives[-1]
+    mutations = [position[n] for n in nodes if _mutates(n)]
+    if position[broadcasts[0]] < position[last_issue]:  # interleaved: each update down to the next collective
+        held = _held_updates(nodes, position, latest, gradient_collectives, set(broadcasts), mutations)
+        if held:
+            moved = {n for before, after in held.values() for n in before + after}
+            nodes = [m for n in nodes if n not in moved for m in [*held.get(n, ((), ()))[0], n, *held.get(n, ((), ()))[1]]]
+            position = {n: i for i, n in enumerate(nodes)}
+            latest = _latest_gradient_wait(graph, position)
+            mutations = [position[n] for n in nodes if _mutates(n)]
+            for b in moved.intersection(broadcasts):
+                record(PASS, "update moved down to the next gradient collective", b)
+    interleaved = position[broadcasts[0]] < position[last_issue]
 
     anchored: dict[Node, list[Node]] = {}
     for b in broadcasts:
@@ -105,7 +155,6 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             anchor = last_issue
         anchored.setdefault(anchor, []).append(b)
 
-    mutations = [position[n] for n in nodes if _mutates(n)]
     order: list[Node] = []
     placed: set[Node] = set()
     for n in nodes:
@@ -139,7 +188,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
         final.append(n)
     final[-1:-1] = list(pending)  # waits nobody reads: just before the output
 
-    if final == nodes:
+    if final == list(graph.nodes):
         return False
     for prev, n in zip(final, final[1:]):
         if prev.next is not n:

@@ -44,7 +44,8 @@ from .verify import check_rewrite, copy_graph
 GraphPass = Callable[..., bool]
 # Inductor's communication scheduling, which keeps the waits where schedule_collectives put them.
 KEEP_SCHEDULE = {"reorder_for_compute_comm_overlap": True,
-                 "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
+                 "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
+                 "reorder_for_peak_memory": False}
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
@@ -222,11 +223,12 @@ class install:
     timeout) as that ``RankDivergenceError``.
 
     While installed, Inductor's scheduler keeps the communication schedule the passes made
-    (:mod:`passes.schedule_collectives`): its peak-memory ordering alone moves every wait right
-    after its collective, so ``install`` also turns on Inductor's own communication reordering
-    with its ``sink_waits`` pass (``torch._inductor.config
-    .reorder_for_compute_comm_overlap[_passes]``). A process that set
-    ``reorder_for_compute_comm_overlap`` itself keeps its own setting. (Inductor's
+    (:mod:`passes.schedule_collectives`): its peak-memory ordering moves every wait right
+    after its collective, and in a ZeRO backward it moved every collective, with its update,
+    after the whole backward compute. So ``install`` turns that ordering off
+    (``reorder_for_peak_memory``) and turns on Inductor's own communication reordering with its
+    ``sink_waits`` pass (``torch._inductor.config.reorder_for_compute_comm_overlap[_passes]``).
+    A process that set ``reorder_for_compute_comm_overlap`` itself keeps its own settings. (Inductor's
     ``raise_comms`` would issue collectives ahead of nodes they do not depend on, the
     rank-divergence guard's check among them.)
     """

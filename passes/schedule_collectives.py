@@ -28,8 +28,8 @@ For two layers' gradients of a compiled DDP backward::
 
 Only collectives, waits and those pure post ops move, so values are unchanged; linear in the
 graph's nodes. Inductor's scheduler reorders nodes again (its peak-memory ordering puts each
-wait right after its collective); :func:`passes.install` therefore also turns on Inductor's own
-``sink_waits`` scheduling pass, which keeps the waits late.
+wait right after its collective); :func:`passes.install` therefore turns that ordering off and
+turns on Inductor's own ``sink_waits`` scheduling pass, which keeps the waits late.
 """
 
 from __future__ import annotations

@@ -102,14 +102,17 @@ def test_an_unsorted_graph_is_sorted_before_the_passes():
 
 def test_install_keeps_the_communication_schedule_unless_the_process_set_its_own():
     assert not inductor_config.reorder_for_compute_comm_overlap
+    assert inductor_config.reorder_for_peak_memory
     with install():
         assert inductor_config.reorder_for_compute_comm_overlap
         assert inductor_config.reorder_for_compute_comm_overlap_passes == ["sink_waits"]
+        assert not inductor_config.reorder_for_peak_memory
         with install(Pipeline([fold_collective_scaling])):
             assert inductor_config.reorder_for_compute_comm_overlap_passes == ["sink_waits"]
         assert inductor_config.reorder_for_compute_comm_overlap
     assert not inductor_config.reorder_for_compute_comm_overlap
     assert inductor_config.reorder_for_compute_comm_overlap_passes == []
+    assert inductor_config.reorder_for_peak_memory
     own = ["sink_waits_iterative"]
     with inductor_config.patch(reorder_for_compute_comm_overlap=True, reorder_for_compute_comm_overlap_passes=own):
         with install():

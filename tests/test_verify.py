@@ -72,8 +72,9 @@ def test_real_passes_verify_clean(kind, world_size):
 def test_verify_mode_bypasses_the_cache_and_reads_the_environment(monkeypatch):
     assert Pipeline([passes.fold_collective_scaling], verify=True).uuid() is None
     monkeypatch.setenv("PASSES_VERIFY", "1")
-    assert passes.default_pipeline().verify and passes.install().pipeline.verify
-    torch._inductor.config.post_grad_custom_post_pass = None
+    assert passes.default_pipeline().verify
+    with passes.install() as pipeline:
+        assert pipeline.verify
     monkeypatch.setenv("PASSES_VERIFY", "0")
     assert not passes.default_pipeline().verify
     with pytest.raises(ValueError, match="pass verify= to the Pipeline"):

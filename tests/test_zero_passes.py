@@ -23,7 +23,7 @@ def traced_step(world_size=2, shapes=((3,), (2, 3)), interleaved=True, shard_buc
 def schedule(gm):
     """The communication schedule: collectives, waits (what they wait for) and parameter
     write-backs, one per line; ``update`` marks where an update's last op (its broadcast
-    input) is computed."""
+    input) is computed, ``backward`` where a gradient's last backward op (``sin``) is."""
     text = {line.split(":", 1)[0]: line for line in graph_str(gm).splitlines()}
     lines = []
     for n in gm.graph.nodes:
@@ -31,6 +31,8 @@ def schedule(gm):
             continue
         if "c10d" in str(n.target) or getattr(n.target, "__name__", "").startswith("copy_"):
             lines.append(text[n.name])
+        elif n.target is torch.ops.aten.sin.default:
+            lines.append(f"backward -> {n.name}")
         elif any(getattr(u.target, "__name__", "").startswith("broadcast") or "all_gather" in str(u.target)
                  for u in n.users):
             lines.append(f"update -> {n.name}")
@@ -38,15 +40,17 @@ def schedule(gm):
 
 
 class TestInterleave(PassTestCase):
-    def test_interleaved_updates_follow_their_gradient(self):
+    def test_interleaved_update_waits_until_the_next_gradient_collective(self):
         gm = traced_step(interleaved=True)
         before = copy_graph(gm.graph)
         self.assertExpectedInline(schedule(gm), """\
+backward -> sin
 all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
 update -> view_4
 broadcast: f32[6] = c10d.broadcast(view_4, 0, group(size=2))
 wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
+backward -> sin_1
 all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
 wait_tensor_2: f32[3] = c10d.wait_tensor(all_reduce_1)
 update -> view_10
@@ -57,12 +61,14 @@ copy__1: f32[2, 3] = aten.copy_(arg3_1, view_5)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         self.assertRewrites(gm, interleave_zero_broadcasts)
         self.assertExpectedInline(schedule(gm), """\
+backward -> sin
 all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
+backward -> sin_1
 wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
 update -> view_4
 broadcast: f32[6] = c10d.broadcast(view_4, 0, group(size=2))
-wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
 all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
+wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
 wait_tensor_2: f32[3] = c10d.wait_tensor(all_reduce_1)
 update -> view_10
 broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
@@ -76,8 +82,10 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         gm = traced_step(interleaved=False)
         before = copy_graph(gm.graph)
         self.assertExpectedInline(schedule(gm), """\
+backward -> sin
 all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
+backward -> sin_1
 all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
 wait_tensor_1: f32[3] = c10d.wait_tensor(all_reduce_1)
 update -> view_7
@@ -91,8 +99,10 @@ copy__1: f32[2, 3] = aten.copy_(arg3_1, view_8)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         self.assertRewrites(gm, interleave_zero_broadcasts)
         self.assertExpectedInline(schedule(gm), """\
+backward -> sin
 all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
+backward -> sin_1
 all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
 update -> view_7
 broadcast: f32[6] = c10d.broadcast(view_7, 0, group(size=2))
