@@ -6,10 +6,10 @@
 Same model (the main example's transformer) and batch for every configuration; their steps are
 interleaved (one step of each in turn, the order rotated every step) so that machine noise hits
 all of them alike. A step is forward + backward + AdamW step, gradients averaged over the
-ranks; every DDP is built with ``bucket_cap_mb=4``, by which the ZeRO hooks bucket the
-gradients (with DDP's default 25 MB the transformer's 12.8 MB go out in two buckets, the
-second only when backward ends; compiled DDP's own all_reduces are bucketed by Inductor, 25 MB,
-whatever ``bucket_cap_mb`` says). Reported per configuration: median step time on rank 0, its ratio to the first
+ranks; every DDP is built with ``bucket_cap_mb=4`` (with DDP's default 25 MB the
+transformer's 12.8 MB of gradients go out in two buckets, the second only when backward ends;
+the ZeRO hooks bucket by it, and the unsharded compiled DDP then issues 4 all_reduces instead of
+2). Reported per configuration: median step time on rank 0, its ratio to the first
 configuration, collectives per step (Inductor's output code for the compiled ones),
 optimizer-state bytes per rank, and how far the parameters ended from the first
 configuration's (relative to the largest parameter; all train the same model on the same data):
@@ -49,7 +49,7 @@ from launch import add_link_argument, describe_link, launch  # noqa: E402
 from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved  # noqa: E402
 
 LR = 1e-3
-BUCKET_CAP_MB = 4  # every DDP here; the ZeRO hooks bucket gradients by it (compiled DDP's own all_reduces do not)
+BUCKET_CAP_MB = 4  # every DDP here (see the module docstring)
 NO_STEP = "compiled DDP, no optimizer step"
 CONFIGS = [
     "compiled DDP + AdamW (unsharded)",

@@ -16,8 +16,9 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
   wait, the update, the broadcasts and their waits) moves down to just before the next
   gradient collective, after the backward compute that collective needs, so the first one runs
   meanwhile; the broadcasts are still issued ahead of that next collective (the collective
-  order is the hook's). The last bucket's update, with no gradient collective after it, is
-  placed right after its gradient's wait::
+  order is the hook's), what only reads their results (their waits, the new optimizer state)
+  just after it. The last bucket's update, with no gradient collective after it, is placed
+  right after its gradient's wait::
 
       before                             after
       ar1 = all_reduce(g1)               ar1 = all_reduce(g1)
@@ -94,11 +95,12 @@ def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Nod
                   ) -> dict[Node, tuple[list[Node], list[Node]]]:
     """Interleaved schedule: next gradient collective -> the nodes (in graph order) that move to
     just before it (the updates and their broadcasts) and just after it (the rest: the
-    broadcasts' waits, the new optimizer state). Between two gradient collectives, the nodes that depend on the first
-    one's result (backward's own compute does not) move if all of them can: compute,
-    gradient waits, ZeRO broadcasts and their waits, with no write in between."""
+    broadcasts' waits, the new optimizer state). Between two gradient collectives, the nodes
+    that depend on the first one's result (backward's own compute does not) move if all of
+    them can: compute, gradient waits, ZeRO broadcasts and their waits, with no write in
+    between."""
     broadcast_waits = {next(iter(b.users)) for b in broadcasts}
-    held: dict[Node, list[Node]] = {}
+    held: dict[Node, tuple[list[Node], list[Node]]] = {}
     for first, second in zip(gradient_collectives, gradient_collectives[1:]):
         lo, hi = position[first], position[second]
         region = [n for n in nodes[lo + 1:hi] if n in latest and latest[n].args[0] is first]
@@ -140,7 +142,12 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
         held = _held_updates(nodes, position, latest, gradient_collectives, set(broadcasts), mutations)
         if held:
             moved = {n for before, after in held.values() for n in before + after}
-            nodes = [m for n in nodes if n not in moved for m in [*held.get(n, ((), ()))[0], n, *held.get(n, ((), ()))[1]]]
+            reordered: list[Node] = []
+            for n in nodes:
+                if n not in moved:
+                    before, after = held.get(n, ([], []))
+                    reordered += [*before, n, *after]
+            nodes = reordered
             position = {n: i for i, n in enumerate(nodes)}
             latest = _latest_gradient_wait(graph, position)
             mutations = [position[n] for n in nodes if _mutates(n)]
