@@ -42,7 +42,8 @@ from ._graph import check_graph
 from .verify import check_rewrite, copy_graph
 
 GraphPass = Callable[..., bool]
-# Inductor's communication scheduling, which keeps the waits where schedule_collectives put them.
+# Inductor's communication scheduling, which keeps the waits where schedule_collectives put them,
+# without its peak-memory ordering, which would move them (and a ZeRO backward's collectives).
 KEEP_SCHEDULE = {"reorder_for_compute_comm_overlap": True,
                  "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
                  "reorder_for_peak_memory": False}
@@ -228,9 +229,9 @@ class install:
     after the whole backward compute. So ``install`` turns that ordering off
     (``reorder_for_peak_memory``) and turns on Inductor's own communication reordering with its
     ``sink_waits`` pass (``torch._inductor.config.reorder_for_compute_comm_overlap[_passes]``).
-    A process that set ``reorder_for_compute_comm_overlap`` itself keeps its own settings. (Inductor's
-    ``raise_comms`` would issue collectives ahead of nodes they do not depend on, the
-    rank-divergence guard's check among them.)
+    A process that set ``reorder_for_compute_comm_overlap`` itself keeps its own settings.
+    (Inductor's ``raise_comms`` would issue collectives ahead of nodes they do not depend on,
+    the rank-divergence guard's check among them.)
     """
 
     def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None,
