@@ -44,6 +44,7 @@ would move past a write (which it might read), is left where it is.
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 from torch.fx import Graph, Node
 
@@ -70,14 +71,15 @@ def _latest_gradient_wait(graph: Graph, position: dict[Node, int]) -> dict[Node,
     return latest
 
 
-def _unplaced_ancestors(node: Node, placed: set[Node]) -> list[Node]:
-    seen, stack = {node}, [node]
+def _ancestors(starts: list[Node], keep: Callable[[Node], bool]) -> set[Node]:
+    """``starts`` and what they depend on through inputs for which ``keep`` holds."""
+    seen, stack = set(starts), list(starts)
     while stack:
         for i in stack.pop().all_input_nodes:
-            if i not in placed and i not in seen:
+            if keep(i) and i not in seen:
                 seen.add(i)
                 stack.append(i)
-    return list(seen)
+    return seen
 
 
 def _mutates(n: Node) -> bool:
@@ -91,15 +93,14 @@ def _movable(n: Node) -> bool:
 
 
 def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Node, Node],
-                  gradient_collectives: list[Node], broadcasts: set[Node], mutations: list[int]
-                  ) -> dict[Node, tuple[list[Node], list[Node]]]:
+                  gradient_collectives: list[Node], broadcasts: set[Node], broadcast_waits: set[Node],
+                  mutations: list[int]) -> dict[Node, tuple[list[Node], list[Node]]]:
     """Interleaved schedule: next gradient collective -> the nodes (in graph order) that move to
     just before it (the updates and their broadcasts) and just after it (the rest: the
     broadcasts' waits, the new optimizer state). Between two gradient collectives, the nodes
     that depend on the first one's result (backward's own compute does not) move if all of
     them can: compute, gradient waits, ZeRO broadcasts and their waits, with no write in
     between."""
-    broadcast_waits = {next(iter(b.users)) for b in broadcasts}
     held: dict[Node, tuple[list[Node], list[Node]]] = {}
     for first, second in zip(gradient_collectives, gradient_collectives[1:]):
         lo, hi = position[first], position[second]
@@ -113,12 +114,9 @@ def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Nod
                    or (is_op(n, (WAIT,)) and is_op(n.args[0], COLLECTIVES)) for n in region):
             record(PASS, "skipped: the update depends on a collective, a wait or a mutation", second)
             continue
-        inside, need, stack = set(region), set(), [n for n in region if n in broadcasts]
-        while stack:  # what the broadcasts need goes before the next collective, the rest after it
-            n = stack.pop()
-            if n not in need:
-                need.add(n)
-                stack.extend(i for i in n.all_input_nodes if i in inside)
+        # what the broadcasts need goes before the next collective, the rest after it
+        inside = set(region)
+        need = _ancestors([n for n in region if n in broadcasts], inside.__contains__)
         held[second] = ([n for n in region if n in need], [n for n in region if n not in need])
     return held
 
@@ -137,9 +135,10 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
     if not broadcasts or not gradient_collectives:
         return False
     last_issue = gradient_collectives[-1]
+    waits = {next(iter(b.users)) for b in broadcasts}
     mutations = [position[n] for n in nodes if _mutates(n)]
     if position[broadcasts[0]] < position[last_issue]:  # interleaved: each update down to the next collective
-        held = _held_updates(nodes, position, latest, gradient_collectives, set(broadcasts), mutations)
+        held = _held_updates(nodes, position, latest, gradient_collectives, set(broadcasts), waits, mutations)
         if held:
             moved = {n for before, after in held.values() for n in before + after}
             reordered: list[Node] = []
@@ -170,7 +169,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
         order.append(n)
         placed.add(n)
         for b in anchored.get(n, ()):
-            update = sorted(_unplaced_ancestors(b, placed), key=position.__getitem__)
+            update = sorted(_ancestors([b], lambda i: i not in placed), key=position.__getitem__)
             if not all(_movable(u) for u in update if u is not b) or any(is_collective(u) for u in update if u is not b):
                 record(PASS, "skipped: the update depends on a collective, a wait or a mutation", b)
                 continue
@@ -182,7 +181,6 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             record(PASS, "update placed after its gradient", b)
 
     # each broadcast's wait just before its first user
-    waits = {next(iter(b.users)) for b in broadcasts}
     final: list[Node] = []
     pending: dict[Node, Node] = {}  # wait -> itself, held back until a user needs it
     for n in order:
