@@ -281,6 +281,24 @@ class TestInterleaveLeavesAlone(PassTestCase):
         gm.graph.lint()
         self.assertUntouched(gm, interleave_zero_broadcasts, "a mutation between the gradient and the update")
 
+    def test_interleaved_update_with_a_write_before_the_next_gradient_stays(self):
+        """Held back to the next gradient collective, the update would move past a write that
+        comes before that collective (here the write-back of its own broadcast): left where it
+        is."""
+        c10d = torch.ops._c10d_functional
+
+        def fn(g1, g2, p, other):
+            w = c10d.wait_tensor(c10d.all_reduce(g1, "avg", "0"))
+            other.copy_(c10d.wait_tensor(c10d.broadcast(p - 0.1 * w, 0, "0")))
+            return c10d.wait_tensor(c10d.all_reduce(g2.sin(), "avg", "0"))
+
+        gm = trace(fn, *[torch.ones(4) for _ in range(4)], world_size=2)
+        nodes = list(gm.graph.nodes)
+        published = next(n for n in nodes if n.name == "wait_tensor_1")
+        published.append(next(n for n in nodes if n.target is torch.ops.aten.copy_.default))
+        gm.graph.lint()
+        self.assertUntouched(gm, interleave_zero_broadcasts, "a write between two gradient collectives")
+
 
 def _gloo_shard_worker(rank, world_size):
     """The same traced ZeRO step on a real gloo group: what the pass does by default and when
