@@ -5,7 +5,8 @@ Compiled DDP with a compression hook issues one small collective per parameter: 
 compressed ones (the collective's input is a cast to a narrower float dtype) per
 (collective, group, reduce op, wire dtype), adjacent in collective order (any other
 collective in between separates them), up to
-``bucket_cap_mb`` of wire bytes (``first_bucket_cap_mb`` for the first bucket, as DDP does).
+``bucket_cap_mb`` of wire bytes; the first bucket goes out as soon as it holds
+``first_bucket_cap_mb`` (DDP's rule), so a gradient larger than that cap goes out in it.
 The default cap (``bucket_cap_mb=None``) is derived from the graph: a quarter of the wire
 bytes of the candidates of that kind, between 2 MB and 25 MB (DDP's default). Gradient
 traffic can start only once backward has produced the first bucket and the last bucket's
@@ -93,6 +94,9 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple
              first_cap_mb: float) -> list[list[Chain]]:
     """Greedy in collective order: a bucket takes the next collective while it is a candidate
     of the same key, the wire bytes fit the cap and it does not depend on a member's result.
+    The first bucket instead closes as soon as it holds ``first_cap_mb`` (DDP's rule), so a
+    gradient larger than that cap goes out in it, as early as backward produces it, instead of
+    waiting for the next bucket to fill.
     Any other collective in between ends the bucket, so the pass never reorders collectives
     relative to each other and a second run finds nothing left to merge.
 
@@ -127,8 +131,8 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple
                 close()
             continue
         nbytes = _wire_bytes(chain)
-        cap = first_cap_mb * 2**20 if index == 0 else caps[keys[node]]
-        if current and (keys[node] != keys[current[0].collective] or depends_on >= first_member or size + nbytes > cap):
+        full = index > 0 and size + nbytes > caps[keys[node]]
+        if current and (keys[node] != keys[current[0].collective] or depends_on >= first_member or full):
             close()
         if not current:
             first_member = count
@@ -136,6 +140,8 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple
         size += nbytes
         latest[node] = count
         count += 1
+        if index == 0 and size >= first_cap_mb * 2**20:
+            close()  # DDP's rule for the first bucket: it goes out once it holds the first cap
     close()
     return buckets
 

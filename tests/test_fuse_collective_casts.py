@@ -131,6 +131,16 @@ return [convert_element_type_1, convert_element_type_3]""")
         # the first bucket is waited only after the second one is issued
         self.assertLess(text.index("bucket_all_reduce_1"), text.index("bucket_wait:"))
 
+    def test_first_bucket_fills_then_closes(self):
+        # DDP's rule: a gradient larger than the first cap goes out in the first bucket, with
+        # what came before it, instead of waiting for the second bucket to fill
+        gm = ddp_graph("bf16", [(8,), (1024, 1024), (8,), (1024, 1024)])
+        self.assertRewrites(gm, fuse_collective_casts, bucket_cap_mb=25.0, first_bucket_cap_mb=1.0)
+        text = graph_str(gm)
+        self.assertEqual(text.count("c10d.all_reduce"), 2)
+        self.assertIn("bucket_cat: bf16[1048584]", text)
+        self.assertIn("bucket_cat_1: bf16[1048584]", text)
+
     def test_reduce_scatter_bucket_is_rank_major(self):
         _ = trace(lambda: None, world_size=2)
         hook = hook_fn("bf16", sharded=True)
