@@ -155,9 +155,10 @@ class Config:
 
 
 def timeline(events: list) -> list[str]:
-    """The last profiled step, in ms from its start: the compiled forward, and per collective
-    when the graph issued it, when the backend's thread moved it (``gloo:...`` / ``nccl:...``
-    events, on their own threads) and when the graph waited for it."""
+    """The last profiled step, in ms from its start: the compiled forward, the end of the last
+    matmul (backward's compute), and per collective when the graph issued it, when the
+    backend's thread moved it (``gloo:...`` / ``nccl:...`` events, on their own threads) and
+    when the graph waited for it."""
     step = [e for e in events if e.name == STEP][-1]
     t0, t1 = step.time_range.start, step.time_range.end
 
@@ -171,7 +172,9 @@ def timeline(events: list) -> list[str]:
     waits = [e for e in inside if e.name == "_c10d_functional::wait_tensor"
              and (e.cpu_parent is None or e.cpu_parent.name != e.name)]
     forward = [span(e) for e in inside if e.name == "CompiledFunction"]
-    lines = [f"step {(t1 - t0) / 1e3:.1f} ms; compiled forward {', '.join(forward) or '-'}"]
+    matmuls = [e.time_range.end for e in inside if e.name in MATMULS]
+    last_matmul = f"{(max(matmuls) - t0) / 1e3:.1f}" if matmuls else "-"
+    lines = [f"step {(t1 - t0) / 1e3:.1f} ms; compiled forward {', '.join(forward) or '-'}; last matmul ends {last_matmul}"]
     lines += [f"collective {i}: issued {span(a)}, backend {span(m) if m else '-'}, waited {span(w) if w else '-'}"
               for i, (a, m, w) in enumerate(itertools.zip_longest(issued, moved[: len(issued)], waits))
               if a is not None]
@@ -245,6 +248,9 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
     elements = sum(p.numel() for p in configs[0].net.parameters())
     wire, wire_cpu = wire_ms(elements, torch.bfloat16)
     fwd, first = first_gradient_ms(model)
+    ours = next(c for c in configs if c.name in OURS)
+    timelines = [None] * dist.get_world_size()
+    dist.all_gather_object(timelines, ours.timeline)  # the same profiled step on every rank
     if rank != 0:
         return
     configs.sort(key=lambda c: CONFIGS.index(c.name))
@@ -262,12 +268,12 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
         print(f"| {c.name} | {median[c.name]:.1f} | {median[c.name] / median[best_peer]:.2f}x "
               f"| {median[c.name] / bound:.2f}x | {c.collectives:g} | {c.wire_bytes / 2**20:.1f} | {exposed} "
               f"| {c.matmul_ms:.1f} |")
-    ours = next(c for c in configs if c.name in OURS)
     print(f"\nthe passes took {ours.passes_s * 1e3:.0f} ms of the {ours.compile_s:.1f} s its first two steps took "
           f"(compile included; {ours.passes_s / ours.compile_s:.1%}; 0 when Inductor served the graphs from its cache).")
-    print(f"\ntimeline of one profiled step of {ours.name} (ms from the step's start; every collective's "
+    print(f"\ntimeline of one profiled step of {ours.name} on every rank (ms from the step's start; every collective's "
           "issue, its time in the backend's thread, its wait):\n")
-    print("\n".join("    " + line for line in ours.timeline))
+    for r, lines in enumerate(timelines):
+        print(f"  rank {r}:\n" + "\n".join("    " + line for line in lines))
     print(f"\nbest peer: {best_peer}. Bound {bound:.1f} ms = max(forward {fwd:.1f} + first gradient {first:.1f} "
           f"+ wire time of all gradients in bf16 {wire:.1f}, compute alone {compute:.1f}); forward and first "
           f"gradient timed eagerly, wire time as one all_reduce of {elements / 1e6:.2f}M bf16 elements, which also "
