@@ -58,11 +58,15 @@ def _zero_broadcasts(graph: Graph) -> list[Node]:
             if is_op(n, (BROADCAST, ALL_GATHER)) and len(n.users) == 1 and is_op(next(iter(n.users)), (WAIT,))]
 
 
+def _is_gradient_wait(n: Node) -> bool:
+    return is_op(n, (WAIT,)) and is_op(n.args[0], COLLECTIVES)
+
+
 def _latest_gradient_wait(graph: Graph, position: dict[Node, int]) -> dict[Node, Node]:
     """For every node, the latest gradient-collective wait it depends on (if any)."""
     latest: dict[Node, Node] = {}
     for n in graph.nodes:
-        if is_op(n, (WAIT,)) and is_op(n.args[0], COLLECTIVES):
+        if _is_gradient_wait(n):
             latest[n] = n
             continue
         found = [latest[i] for i in n.all_input_nodes if i in latest]
@@ -87,6 +91,11 @@ def _mutates(n: Node) -> bool:
     return n.op == "call_function" and schema is not None and schema.is_mutable
 
 
+def _written_between(mutations: list[int], lo: int, hi: int) -> bool:
+    """Whether a write (``mutations``: sorted positions) lies strictly between ``lo`` and ``hi``."""
+    return bisect.bisect_right(mutations, lo) < bisect.bisect_left(mutations, hi)
+
+
 def _movable(n: Node) -> bool:
     """A pure computation, or a constant (``get_attr``: e.g. an index tensor)."""
     return n.op == "get_attr" or (n.op == "call_function" and not is_op(n, (WAIT,)) and not _mutates(n))
@@ -107,11 +116,10 @@ def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Nod
         region = [n for n in nodes[lo + 1:hi] if n in latest and latest[n].args[0] is first]
         if not any(n in broadcasts for n in region):
             continue
-        if bisect.bisect_right(mutations, lo) < bisect.bisect_left(mutations, hi):  # a write in between
+        if _written_between(mutations, lo, hi):
             record(PASS, "skipped: a write between two gradient collectives", second)
             continue
-        if not all(_movable(n) or n in broadcasts or n in broadcast_waits
-                   or (is_op(n, (WAIT,)) and is_op(n.args[0], COLLECTIVES)) for n in region):
+        if not all(_movable(n) or n in broadcasts or n in broadcast_waits or _is_gradient_wait(n) for n in region):
             record(PASS, "skipped: the update depends on a collective, a wait or a mutation", second)
             continue
         # what the broadcasts need goes before the next collective, the rest after it
@@ -137,7 +145,10 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
     last_issue = gradient_collectives[-1]
     waits = {next(iter(b.users)) for b in broadcasts}
     mutations = [position[n] for n in nodes if _mutates(n)]
-    if position[broadcasts[0]] < position[last_issue]:  # interleaved: each update down to the next collective
+    # interleaved (some broadcast before the last gradient collective; moving updates down to the
+    # next gradient collective keeps it so): each update down to the next collective
+    interleaved = position[broadcasts[0]] < position[last_issue]
+    if interleaved:
         held = _held_updates(nodes, position, latest, gradient_collectives, set(broadcasts), waits, mutations)
         if held:
             moved = {n for before, after in held.values() for n in before + after}
@@ -152,7 +163,6 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             mutations = [position[n] for n in nodes if _mutates(n)]
             for b in moved.intersection(broadcasts):
                 record(PASS, "update moved down to the next gradient collective", b)
-    interleaved = position[broadcasts[0]] < position[last_issue]
 
     anchored: dict[Node, list[Node]] = {}
     for b in broadcasts:
@@ -173,7 +183,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             if not all(_movable(u) for u in update if u is not b) or any(is_collective(u) for u in update if u is not b):
                 record(PASS, "skipped: the update depends on a collective, a wait or a mutation", b)
                 continue
-            if any(position[n] < m < position[b] for m in mutations):  # it might read what that writes
+            if _written_between(mutations, position[n], position[b]):  # it might read what that writes
                 record(PASS, "skipped: a mutation between the gradient and the update", b)
                 continue
             order.extend(update)
