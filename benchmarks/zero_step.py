@@ -60,7 +60,7 @@ CONFIGS = [
     "compiled ZeRO, interleaved, shard_buckets + shard_weight_update",
     NO_STEP,
 ]
-COLLECTIVE = re.compile(r"_c10d_functional\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|broadcast)\w*"
+COLLECTIVE = re.compile(r"_c10d_functional\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|broadcast|all_to_all_single)\w*"
                         r"\.default\(")
 
 

@@ -7,6 +7,7 @@ depends on the rank. ``install()`` registers a :class:`Pipeline` of them with In
 """
 
 from . import testing
+from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
@@ -29,6 +30,7 @@ __all__ = [
     "schedule_collectives",
     "reinplace_broadcasts",
     "shard_weight_update",
+    "all_to_all_weight_update",
     "insert_rank_guard",
     "RankDivergenceError",
     "Pipeline",

@@ -38,6 +38,7 @@ REDUCE_SCATTER = c10d_ops.reduce_scatter_tensor.default
 ALL_GATHER = c10d_ops.all_gather_into_tensor.default
 BROADCAST = c10d_ops.broadcast.default
 BROADCAST_ = c10d_ops.broadcast_.default  # in place (reinplace_broadcasts)
+ALL_TO_ALL = c10d_ops.all_to_all_single.default
 WAIT = c10d_ops.wait_tensor.default
 GROUP_RANK = torch.ops.compiled_hooks.group_rank.default  # this rank, read at run time
 POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default  # PowerSGD's step counter (side effect)

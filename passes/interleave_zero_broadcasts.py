@@ -48,9 +48,10 @@ from typing import Callable
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, BROADCAST, COLLECTIVES, WAIT, check_graph, is_collective, is_op, record
+from ._graph import ALL_GATHER, ALL_TO_ALL, BROADCAST, COLLECTIVES, WAIT, check_graph, is_collective, is_op, record
 
 PASS = "interleave_zero_broadcasts"
+GRADIENT_COLLECTIVES = COLLECTIVES + (ALL_TO_ALL,)  # all_to_all: all_to_all_weight_update's reduction
 
 
 def _zero_broadcasts(graph: Graph) -> list[Node]:
@@ -59,7 +60,7 @@ def _zero_broadcasts(graph: Graph) -> list[Node]:
 
 
 def _is_gradient_wait(n: Node) -> bool:
-    return is_op(n, (WAIT,)) and is_op(n.args[0], COLLECTIVES)
+    return is_op(n, (WAIT,)) and is_op(n.args[0], GRADIENT_COLLECTIVES)
 
 
 def _latest_gradient_wait(graph: Graph, position: dict[Node, int]) -> dict[Node, Node]:
@@ -139,7 +140,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
     position = {n: i for i, n in enumerate(nodes)}
     latest = _latest_gradient_wait(graph, position)
     broadcasts = [b for b in broadcasts if b in latest]
-    gradient_collectives = [n for n in nodes if is_op(n, COLLECTIVES)]
+    gradient_collectives = [n for n in nodes if is_op(n, GRADIENT_COLLECTIVES)]
     if not broadcasts or not gradient_collectives:
         return False
     last_issue = gradient_collectives[-1]

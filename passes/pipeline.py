@@ -37,6 +37,7 @@ from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .rank_guard import RankDivergenceError, unraised_verdict
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
+from .all_to_all_weight_update import all_to_all_weight_update
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from ._graph import check_graph
 from .verify import check_rewrite, copy_graph
@@ -194,14 +195,15 @@ class Pipeline(CustomGraphPass):
 
 def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False,
                      check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
-    """``fold_collective_scaling``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
-    ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
-    ``reinplace_broadcasts`` (options: ``avg_backends``, ``bucket_cap_mb``,
-    ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``; ``shard_backends`` with
-    ``shard_weight_update``); with ``shard_weight_update=True`` that pass first (before
-    bucketing could merge the all_reduces it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
-    passes = [fold_collective_scaling, fuse_collective_casts, bucket_low_rank_factors, fuse_cat_prologue,
-              interleave_zero_broadcasts, schedule_collectives, reinplace_broadcasts]
+    """``all_to_all_weight_update``, ``fold_collective_scaling``, ``fuse_collective_casts``,
+    ``bucket_low_rank_factors``, ``fuse_cat_prologue``, ``interleave_zero_broadcasts``,
+    ``schedule_collectives``, ``reinplace_broadcasts`` (options: ``all_to_all_backends``,
+    ``all_to_all_chunk_bytes``, ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``,
+    ``factor_bucket_cap_mb``; ``shard_backends`` with ``shard_weight_update``); with
+    ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces
+    it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
+    passes = [all_to_all_weight_update, fold_collective_scaling, fuse_collective_casts, bucket_low_rank_factors,
+              fuse_cat_prologue, interleave_zero_broadcasts, schedule_collectives, reinplace_broadcasts]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)

@@ -50,7 +50,7 @@ SHARD_BACKENDS = frozenset({"nccl", "fake"})
 _WHY_NOT = {"gloo": "its reduce_scatter costs more than its all_reduce; pass shard_backends to force"}
 
 
-def _own_slice(index: Node):
+def own_slice(index: Node):
     """(chain, N) when ``index`` reads this rank's slice of an all_reduce (rewrite 1)."""
     if not is_op(index, (aten.index.Tensor,)) or len(index.args) != 2:
         return None
@@ -92,7 +92,7 @@ def _rewrite_own_slice(graph: Graph, index: Node, chain, n: int) -> None:
         graph.erase_node(dead)
 
 
-def _owner_broadcasts(cat: Node):
+def owner_broadcasts(cat: Node):
     """The N broadcasts when ``cat`` concatenates one tensor from every rank (rewrite 2)."""
     if not is_op(cat, (aten.cat.default,)) or not isinstance(cat.args[0], (list, tuple)):
         return None
@@ -135,8 +135,8 @@ def shard_weight_update(graph: Graph, shard_backends: Collection[str] = SHARD_BA
     check_graph(PASS, graph)
     changed = False
     for node in list(graph.nodes):  # a rewrite erases only nodes before ``node``
-        own = _own_slice(node)
-        found = own or _owner_broadcasts(node)
+        own = own_slice(node)
+        found = own or owner_broadcasts(node)
         if found is None:
             continue
         info = found[1]

@@ -5,7 +5,7 @@ environment) calls :func:`check_rewrite` after every pass that changed the graph
 run on the same random inputs made from the placeholders' metadata (floats from a fixed-seed
 normal distribution, integers and booleans as zeros so that indices stay valid), with every
 collective *simulated* for N ranks that hold identical values, seen from rank 0:
-``all_reduce`` sum is ``N * x`` and avg is ``x``, ``reduce_scatter`` gives rank 0's shard,
+``all_reduce`` sum is ``N * x`` and avg is ``x``, ``reduce_scatter`` gives rank 0's shard, ``all_to_all`` N copies of it unreduced,
 ``all_gather`` repeats, ``broadcast`` and ``wait`` are the identity, ``group_rank`` is 0.
 So verification never communicates (it is safe at compile time on any number of ranks,
 whatever each rank compiles), and it checks exactly what the passes rewrite: the arithmetic
@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
-from ._graph import (ALL_GATHER, ALL_REDUCE, BROADCAST, BROADCAST_, COLLECTIVES, GROUP_RANK, POWERSGD_COUNT,
+from ._graph import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, BROADCAST_, COLLECTIVES, GROUP_RANK, POWERSGD_COUNT,
                      REDUCE_SCATTER, WAIT, group_info, record)
 from .testing import graph_str
 
@@ -73,9 +73,17 @@ def _reduce_scatter(x, op, n, group):
     raise CannotVerify(f"reduce_scatter op {op!r}")
 
 
+def _all_to_all(x, output_split_sizes, input_split_sizes, group):
+    """Rank 0's part of every rank's input: their first piece along dim 0, N times."""
+    n = _group_size(group)
+    first = x[: input_split_sizes[0]] if input_split_sizes else x.chunk(n, dim=0)[0]
+    return torch.cat([first] * n)
+
+
 _SIMULATED: dict[Any, Callable[..., Any]] = {
     ALL_REDUCE: _all_reduce,
     REDUCE_SCATTER: _reduce_scatter,
+    ALL_TO_ALL: _all_to_all,
     WAIT: lambda x: x,
     ALL_GATHER: lambda x, n, group: torch.cat([x] * n),
     BROADCAST: lambda x, src, group: x.clone(),
