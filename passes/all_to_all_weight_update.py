@@ -23,7 +23,10 @@ independent rewrites, each exact on its own:
 
    Row j of the all_to_all's output is rank j's gradient for this rank's row; their sum is
    what the all_reduce gave this row (bit for bit on 2 ranks, where each element is one
-   addition; on more ranks gloo's ring adds in another order, within rounding).
+   addition; on more ranks gloo's ring adds in another order, within rounding). Where ``x``
+   is a bucket packed by a ``cat`` of 1-D members (the ZeRO hooks'), each chunk is written
+   straight from the members' slices, the hook's scales and casts applied to each (as
+   ``fuse_cat_prologue`` does), so the bucket is never packed whole and copied again.
 2. *owner broadcasts* of a flat ``y`` from every rank in rank order::
 
        full = cat([wait(broadcast(y, 0, G)), ..., wait(broadcast(y, N-1, G))])
@@ -44,7 +47,8 @@ from typing import Collection
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, ALL_TO_ALL, VIEW_OPS, WAIT, aten, check_graph, is_op, new_node, record, val
+from ._graph import ALL_GATHER, ALL_TO_ALL, VIEW_OPS, WAIT, aten, check_graph, flat_value, is_op, new_node, record, val
+from .fuse_cat_prologue import cat_prologue_problem
 from .shard_weight_update import own_slice, owner_broadcasts
 
 PASS = "all_to_all_weight_update"
@@ -59,18 +63,47 @@ def _chunks(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]
     return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
 
 
+def _packed_rows(graph: Graph, chain, n: int, c: int, lo: int, hi: int) -> Node:
+    """Columns ``lo:hi`` of every row of a bucket packed by a ``cat`` of 1-D members (``chain``
+    starts at it), written straight from the members' slices with the hook's scales and casts
+    applied to each (as ``fuse_cat_prologue`` does for a whole bucket): ``[n, hi - lo]``."""
+    members, ops = chain.start.args[0], [op for op in chain.pre if not is_op(op, VIEW_OPS)]
+    parts, at = [], 0
+    bounds = []
+    for m in members:
+        bounds.append((at, at + val(m).numel(), m))
+        at += val(m).numel()
+    for row in range(n):
+        a, b = row * c + lo, row * c + hi
+        for start, end, m in bounds:
+            if end <= a or start >= b:
+                continue
+            part = m
+            if start < a or end > b:
+                part = new_node(graph, aten.slice.Tensor, (m, 0, max(a, start) - start, min(b, end) - start))
+            for op in ops:
+                part = new_node(graph, op.target, (part, *op.args[1:]), dict(op.kwargs))
+            parts.append(part)
+    flat = new_node(graph, aten.cat.default, (parts,), value=flat_value(val(parts[0]), n * (hi - lo)))
+    return new_node(graph, aten.view.default, (flat, [n, hi - lo]))
+
+
 def _rewrite_own_row(graph: Graph, index: Node, chain, n: int, chunk_bytes: int) -> int:
     x = chain.collective.args[0]
     c = val(x).numel() // n
     pieces = _chunks(c, val(x).element_size(), chunk_bytes)
+    packed = is_op(chain.start, (aten.cat.default,)) and cat_prologue_problem(chain.start, chain.pre) is None
     with graph.inserting_before(chain.collective):
-        rows = new_node(graph, aten.view.default, (x, [n, c]))
+        rows = None if packed else new_node(graph, aten.view.default, (x, [n, c]))
         sent = []
         for lo, hi in pieces:
-            piece = rows
-            if len(pieces) > 1:
+            if packed:
+                piece = _packed_rows(graph, chain, n, c, lo, hi)
+            elif len(pieces) > 1:
                 piece = new_node(graph, aten.slice.Tensor, (rows, 1, lo, hi))
                 piece = new_node(graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+            else:
+                piece = rows
             sent.append(new_node(graph, ALL_TO_ALL, (piece, [1] * n, [1] * n, chain.group_name)))
     with graph.inserting_before(chain.wait):
         sums = [new_node(graph, aten.sum.dim_IntList, (new_node(graph, WAIT, (a,)), [0])) for a in sent]
@@ -83,8 +116,10 @@ def _rewrite_own_row(graph: Graph, index: Node, chain, n: int, chunk_bytes: int)
                 value = new_node(graph, op.target, (value, *op.args[1:]), dict(op.kwargs))
         mine = new_node(graph, aten.view.default, (value, list(val(index).shape)))
     index.replace_all_uses_with(mine)
-    for dead in [index, *reversed(chain.post), chain.wait, chain.collective]:
-        graph.erase_node(dead)
+    dead = [index, *reversed(chain.post), chain.wait, chain.collective]
+    dead += [*reversed(chain.pre), chain.start] if packed else []
+    for node in dead:
+        graph.erase_node(node)
     return len(pieces)
 
 

@@ -34,7 +34,8 @@ from ._graph import VIEW_OPS, aten, cast_dtype, chains, flat_value, is_op, new_n
 PASS = "fuse_cat_prologue"
 
 
-def _why_not(cat: Node, pre: list[Node]) -> str | None:
+def cat_prologue_problem(cat: Node, pre: list[Node]) -> str | None:
+    """Why the ops ``pre`` after ``cat`` cannot move into its members (None: they can)."""
     if len(cat.users) != 1:
         return "the cat has another user"
     if any(not hasattr(val(m), "dim") or val(m).dim() != 1 for m in cat.args[0]):
@@ -55,7 +56,7 @@ def fuse_cat_prologue(graph: Graph) -> bool:
         cat = chain.start
         if not chain.pre or not is_op(cat, (aten.cat.default,)):  # the common case: not counted
             continue
-        reason = _why_not(cat, chain.pre)
+        reason = cat_prologue_problem(cat, chain.pre)
         if reason is not None:
             record(PASS, f"skipped: {reason}", chain.collective)
             continue

@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import compiled_hooks as ch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 import passes
-from compiled_hooks.zero import ZeroOptimizer, assign_whole_parameters, hook_with_zero_step, hook_with_zero_step_interleaved
+from compiled_hooks.zero import (ZeroOptimizer, ZeroStep, assign_whole_parameters, hook_with_zero_step,
+                                  hook_with_zero_step_interleaved)
 from tests.ranks import run_ranks
 
 STEPS = 5
@@ -58,7 +59,7 @@ def reference(world_size, opt_name):
 def zero_worker(rank, world_size, configs, compiler=None):
     """For each (optimizer, schedule, shard_buckets): parameters after each step, state bytes,
     and when compiled (``compiler``: "aot_eager", or "inductor" with the default pipeline and
-    shard_weight_update installed) the code of every graph Dynamo captured, the graph breaks
+    shard_weight_update forced on gloo for shard_buckets) the code of every graph Dynamo captured, the graph breaks
     and what the passes did."""
     compiled = compiler is not None
     if compiled:
@@ -84,7 +85,11 @@ def zero_worker(rank, world_size, configs, compiler=None):
                                SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard))
         model = torch.compile(ddp, backend=backend) if compiled else ddp
         history = []
-        with passes.install(passes.default_pipeline(shard_weight_update=True, shard_backends=("gloo", "fake"))):
+        # shard_buckets: shard_weight_update forced on gloo (reduce_scatter + all_gather); whole
+        # parameters: the default pipeline (all_to_all_weight_update), in chunks of 16 floats
+        pipeline = (passes.default_pipeline(shard_weight_update=True, shard_backends=("gloo", "fake")) if shard
+                    else passes.default_pipeline(all_to_all_chunk_bytes=64))
+        with passes.install(pipeline):
             for step in range(STEPS):
                 zero.zero_grad()
                 if compiled:
@@ -163,6 +168,22 @@ def test_whole_parameter_assignment_is_balanced():
     assert offset == [0, 0, 100, 5, 65]
 
 
+def test_whole_parameter_buckets_close_where_owner_rows_balance():
+    """A bucket holding its cap closes only where its owner rows are within 5% of equal (its
+    rows go on the wire padded to the longest), or at twice its cap. Caps of 16 bytes."""
+    from tests.graphs import zero_optimizer
+
+    zero = zero_optimizer(2, [(4,), (2,), (2,), (3,), (3,), (4,), (4,)], torch.optim.SGD)
+    zero.owner = [0, 1, 1, 0, 1, 0, 0]  # in the order added below
+    sizes = []
+    core = ZeroStep(lambda state, flat: sizes.append(flat.numel()), zero, interleaved=False,
+                    bucket_bytes=16, first_bucket_bytes=16)
+    for i, p in enumerate(zero.params):
+        core.add(None, i, torch.ones_like(p))
+    # rows 4 | 2+2 (the old rule closed after the first 4), 3 | 3, then 4+4 | - at twice the cap
+    assert sizes == [2 * 4, 2 * 3, 2 * 8], sizes
+
+
 def test_traced_whole_parameter_step_writes_each_state_in_place_and_bias_terms_once():
     """The traced step of one bucket of four whole parameters (fake group, no ranks): each
     member's state is written with ``index_put`` (Inductor makes it an in-place write of the
@@ -185,9 +206,10 @@ def test_traced_whole_parameter_step_writes_each_state_in_place_and_bias_terms_o
 
 
 def test_inductor_with_the_passes_matches_unsharded_optimizer():
-    """Real Inductor compiles with the ZeRO passes installed: the schedule pass ran on both,
-    with shard_buckets the all_reduce + broadcasts became reduce_scatter + all_gather, and with
-    whole parameters the packed buckets' division and the owners' broadcasts run in place."""
+    """Real Inductor compiles with the ZeRO passes installed, run on gloo: the schedule pass ran
+    on both; with shard_buckets (shard_weight_update forced) the all_reduce + broadcasts became
+    reduce_scatter + all_gather, with whole parameters (the default pipeline) chunked
+    all_to_all + all_gather."""
     configs = [("adam", "interleaved", True), ("sgd_momentum", "after_backward", False)]
     outcomes = run_ranks(zero_worker, 2, configs, "inductor", timeout=600)
     check(outcomes, 2)
@@ -198,12 +220,13 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
         assert sharded.get("shard_weight_update: owner broadcasts -> all_gather") == 3, sharded
         print("SUMMARY inductor ZeRO pass counters:", sharded, whole)
         assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 3, sharded
-        assert whole.get("interleave_zero_broadcasts: update placed after its gradient") == 4, whole  # 4 owner broadcasts
-        # whole parameters: the two buckets and two owner broadcasts packed with a cat (the rest hold one tensor)
-        assert whole.get("fuse_cat_prologue: moved 1 op(s) into the cat's members") == 2, whole
-        assert whole.get("reinplace_broadcasts: broadcast in place on its packed input") == 2, whole
         # shard_buckets packs rank-major (a cat of [N, chunk] rows), which fuse_cat_prologue leaves alone
         assert sharded.get("fuse_cat_prologue: skipped: a member is not 1-D") == 2, sharded
+        # whole parameters, on gloo by default: every bucket's exchange over all_to_all and all_gather
+        # (two buckets: the second layer's weight, owned alone, closes the first at twice its cap)
+        assert not any(k.startswith("shard_weight_update") for k in whole), whole
+        assert whole.get("all_to_all_weight_update: all_reduce read in own row -> all_to_all") == 2, whole
+        assert whole.get("all_to_all_weight_update: owner broadcasts -> all_gather") == 2, whole
 
 
 SEED_HOOKS = {  # what a user of the original passes: (hook, state maker), DDP's reducer

@@ -1,9 +1,10 @@
-"""interleave_zero_broadcasts and shard_weight_update on traced ZeRO steps (fake process group):
-snapshots of the schedule, idempotence, numerics (simulated collectives) and what is left alone."""
+"""interleave_zero_broadcasts, shard_weight_update and all_to_all_weight_update on traced ZeRO
+steps (fake process group): snapshots of the schedule, idempotence, numerics (simulated
+collectives) and what is left alone."""
 
 import torch
 
-from passes import interleave_zero_broadcasts, shard_weight_update
+from passes import all_to_all_weight_update, interleave_zero_broadcasts, shard_weight_update
 from passes.testing import graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.graphs import zero_optimizer, zero_step_fn
@@ -11,9 +12,9 @@ from tests.passcase import PassTestCase
 
 
 def traced_step(world_size=2, shapes=((3,), (2, 3)), interleaved=True, shard_buckets=False, kind="fp32",
-                optimizer=torch.optim.SGD, **kw):
+                optimizer=torch.optim.SGD, bucket_bytes=1, **kw):
     zero = zero_optimizer(world_size, shapes, optimizer, shard_buckets=shard_buckets, **kw)
-    fn, args = zero_step_fn(zero, kind, interleaved)
+    fn, args = zero_step_fn(zero, kind, interleaved, bucket_bytes)
     gm = trace(fn, *args(), world_size=world_size)
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -45,36 +46,44 @@ class TestInterleave(PassTestCase):
         before = copy_graph(gm.graph)
         self.assertExpectedInline(schedule(gm), """\
 backward -> sin
-all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
-wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
-update -> view_4
-broadcast: f32[6] = c10d.broadcast(view_4, 0, group(size=2))
-wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
-backward -> sin_1
-all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
-wait_tensor_2: f32[3] = c10d.wait_tensor(all_reduce_1)
+all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
+wait_tensor: f32[12] = c10d.wait_tensor(all_reduce)
 update -> view_10
-broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
-wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
-copy_: f32[3] = aten.copy_(arg2_1, getitem_7)
-copy__1: f32[2, 3] = aten.copy_(arg3_1, view_5)
+broadcast: f32[6] = c10d.broadcast(view_10, 0, group(size=2))
+wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
+broadcast_1: f32[6] = c10d.broadcast(view_10, 1, group(size=2))
+wait_tensor_2: f32[6] = c10d.wait_tensor(broadcast_1)
+backward -> sin_1
+all_reduce_1: f32[6] = c10d.all_reduce(div_1, 'sum', group(size=2))
+wait_tensor_3: f32[6] = c10d.wait_tensor(all_reduce_1)
+update -> view_23
+broadcast_2: f32[3] = c10d.broadcast(view_23, 0, group(size=2))
+wait_tensor_4: f32[3] = c10d.wait_tensor(broadcast_2)
+broadcast_3: f32[3] = c10d.broadcast(view_23, 1, group(size=2))
+wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
+copy_: f32[3] = aten.copy_(arg2_1, select_copy_1)
+copy__1: f32[2, 3] = aten.copy_(arg3_1, view_12)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         self.assertRewrites(gm, interleave_zero_broadcasts)
         self.assertExpectedInline(schedule(gm), """\
 backward -> sin
-all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
+all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
 backward -> sin_1
-wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
-update -> view_4
-broadcast: f32[6] = c10d.broadcast(view_4, 0, group(size=2))
-all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
-wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
-wait_tensor_2: f32[3] = c10d.wait_tensor(all_reduce_1)
+wait_tensor: f32[12] = c10d.wait_tensor(all_reduce)
 update -> view_10
-broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
-wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
-copy_: f32[3] = aten.copy_(arg2_1, getitem_7)
-copy__1: f32[2, 3] = aten.copy_(arg3_1, view_5)
+broadcast: f32[6] = c10d.broadcast(view_10, 0, group(size=2))
+broadcast_1: f32[6] = c10d.broadcast(view_10, 1, group(size=2))
+all_reduce_1: f32[6] = c10d.all_reduce(div_1, 'sum', group(size=2))
+wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
+wait_tensor_2: f32[6] = c10d.wait_tensor(broadcast_1)
+wait_tensor_3: f32[6] = c10d.wait_tensor(all_reduce_1)
+update -> view_23
+broadcast_2: f32[3] = c10d.broadcast(view_23, 0, group(size=2))
+broadcast_3: f32[3] = c10d.broadcast(view_23, 1, group(size=2))
+wait_tensor_4: f32[3] = c10d.wait_tensor(broadcast_2)
+wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
+copy_: f32[3] = aten.copy_(arg2_1, select_copy_1)
+copy__1: f32[2, 3] = aten.copy_(arg3_1, view_12)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
 
@@ -83,36 +92,44 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         before = copy_graph(gm.graph)
         self.assertExpectedInline(schedule(gm), """\
 backward -> sin
-all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
-wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
+all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
+wait_tensor: f32[12] = c10d.wait_tensor(all_reduce)
 backward -> sin_1
-all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
-wait_tensor_1: f32[3] = c10d.wait_tensor(all_reduce_1)
-update -> view_7
-broadcast: f32[6] = c10d.broadcast(view_7, 0, group(size=2))
+all_reduce_1: f32[6] = c10d.all_reduce(div_1, 'sum', group(size=2))
+wait_tensor_1: f32[6] = c10d.wait_tensor(all_reduce_1)
+update -> view_15
+broadcast: f32[6] = c10d.broadcast(view_15, 0, group(size=2))
 wait_tensor_2: f32[6] = c10d.wait_tensor(broadcast)
-update -> view_10
-broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
-wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
-copy_: f32[3] = aten.copy_(arg2_1, getitem_7)
-copy__1: f32[2, 3] = aten.copy_(arg3_1, view_8)
+broadcast_1: f32[6] = c10d.broadcast(view_15, 1, group(size=2))
+wait_tensor_3: f32[6] = c10d.wait_tensor(broadcast_1)
+update -> view_23
+broadcast_2: f32[3] = c10d.broadcast(view_23, 0, group(size=2))
+wait_tensor_4: f32[3] = c10d.wait_tensor(broadcast_2)
+broadcast_3: f32[3] = c10d.broadcast(view_23, 1, group(size=2))
+wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
+copy_: f32[3] = aten.copy_(arg2_1, select_copy_1)
+copy__1: f32[2, 3] = aten.copy_(arg3_1, view_17)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         self.assertRewrites(gm, interleave_zero_broadcasts)
         self.assertExpectedInline(schedule(gm), """\
 backward -> sin
-all_reduce: f32[6] = c10d.all_reduce(div, 'sum', group(size=2))
-wait_tensor: f32[6] = c10d.wait_tensor(all_reduce)
+all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
+wait_tensor: f32[12] = c10d.wait_tensor(all_reduce)
 backward -> sin_1
-all_reduce_1: f32[3] = c10d.all_reduce(div_1, 'sum', group(size=2))
-update -> view_7
-broadcast: f32[6] = c10d.broadcast(view_7, 0, group(size=2))
-wait_tensor_1: f32[3] = c10d.wait_tensor(all_reduce_1)
-update -> view_10
-broadcast_1: f32[3] = c10d.broadcast(view_10, 1, group(size=2))
+all_reduce_1: f32[6] = c10d.all_reduce(div_1, 'sum', group(size=2))
+update -> view_15
+broadcast: f32[6] = c10d.broadcast(view_15, 0, group(size=2))
+broadcast_1: f32[6] = c10d.broadcast(view_15, 1, group(size=2))
+wait_tensor_1: f32[6] = c10d.wait_tensor(all_reduce_1)
+update -> view_23
+broadcast_2: f32[3] = c10d.broadcast(view_23, 0, group(size=2))
+broadcast_3: f32[3] = c10d.broadcast(view_23, 1, group(size=2))
 wait_tensor_2: f32[6] = c10d.wait_tensor(broadcast)
-wait_tensor_3: f32[3] = c10d.wait_tensor(broadcast_1)
-copy_: f32[3] = aten.copy_(arg2_1, getitem_7)
-copy__1: f32[2, 3] = aten.copy_(arg3_1, view_8)
+wait_tensor_3: f32[6] = c10d.wait_tensor(broadcast_1)
+wait_tensor_4: f32[3] = c10d.wait_tensor(broadcast_2)
+wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
+copy_: f32[3] = aten.copy_(arg2_1, select_copy_1)
+copy__1: f32[2, 3] = aten.copy_(arg3_1, view_17)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
 
@@ -262,6 +279,76 @@ return None""")
         self.assertEqual(graph_str(gm), text)
 
 
+FAKE = {"all_to_all_backends": ("fake",)}
+
+
+def counts(gm):
+    names = ("all_reduce", "broadcast", "all_to_all", "all_gather", "reduce_scatter")
+    return tuple(sum(name in str(n.target) for n in gm.graph.nodes) for name in names)
+
+
+class TestAllToAllWeightUpdate(PassTestCase):
+    def test_whole_parameter_step_exchanges_rows_in_chunks(self):
+        """Whole parameters, one bucket of 5 + 2 elements (owners 0 and 1: rows of 5, the
+        second padded): the all_reduce read in this rank's row becomes two all_to_all chunks
+        of at most 3 elements per destination, summed; the two owners' broadcasts two
+        all_gather chunks."""
+        gm = traced_step(shapes=((5,), (2,)), interleaved=False, bucket_bytes=1 << 20)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, all_to_all_weight_update, all_to_all_chunk_bytes=12, **FAKE)
+        self.assertExpectedInline(schedule(gm), """\
+backward -> sin
+backward -> sin_1
+all_to_all_single_default: f32[2, 3] = c10d.all_to_all_single(view_default, [1, 1], [1, 1], group(size=2))
+all_to_all_single_default_1: f32[2, 2] = c10d.all_to_all_single(view_default_1, [1, 1], [1, 1], group(size=2))
+wait_tensor_default: f32[2, 3] = c10d.wait_tensor(all_to_all_single_default)
+wait_tensor_default_1: f32[2, 2] = c10d.wait_tensor(all_to_all_single_default_1)
+update -> slice_tensor_4
+all_gather_into_tensor_default: f32[6] = c10d.all_gather_into_tensor(slice_tensor_4, 2, group(size=2))
+update -> slice_tensor_5
+all_gather_into_tensor_default_1: f32[4] = c10d.all_gather_into_tensor(slice_tensor_5, 2, group(size=2))
+wait_tensor_default_2: f32[6] = c10d.wait_tensor(all_gather_into_tensor_default)
+wait_tensor_default_3: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_1)
+copy_: f32[5] = aten.copy_(arg2_1, select_copy_1)
+copy__1: f32[2] = aten.copy_(arg3_1, slice_copy_2)
+copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
+        check_rewrite(PASS_A2A, before, gm.graph)
+        self.assertEqual(counts(gm), (0, 0, 2, 2, 0))
+
+    def test_collective_counts_and_numerics(self):
+        """Both ZeRO layouts, 2 and 4 ranks, fp32 and bf16 wires, one bucket per parameter
+        (bucket_bytes=1): every all_reduce and every set of owner broadcasts rewritten; the
+        values the simulated collectives give are unchanged."""
+        for world_size, kind, shard_buckets in [(2, "fp32", False), (4, "bf16", False), (4, "fp32", True)]:
+            gm = traced_step(world_size, shapes=((5,), (3, 7), (2,)), shard_buckets=shard_buckets, kind=kind,
+                             optimizer=torch.optim.Adam)
+            before = copy_graph(gm.graph)
+            self.assertEqual(counts(gm), (3, 3 * world_size, 0, 0, 0))
+            self.assertTrue(all_to_all_weight_update(gm.graph, **FAKE))
+            self.assertEqual(counts(gm), (0, 0, 3, 3, 0))
+            check_rewrite(PASS_A2A, before, gm.graph)
+            self.assertFalse(all_to_all_weight_update(gm.graph, **FAKE))  # idempotent
+
+    def test_leaves_alone_a_backend_not_listed_and_an_index_not_this_rank(self):
+        self.assertUntouched(traced_step(shapes=((3,),)), all_to_all_weight_update, "backend fake")
+
+        def fn(x, idx):
+            w = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0"))
+            return w.view(2, 3)[idx]
+
+        gm = trace(fn, torch.ones(6), torch.zeros(1, dtype=torch.long), world_size=2)
+        text = graph_str(gm)
+        self.assertFalse(all_to_all_weight_update(gm.graph, **FAKE))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_chunk_size_must_be_positive(self):
+        with self.assertRaisesRegex(ValueError, "all_to_all_chunk_bytes must be positive"):
+            all_to_all_weight_update(traced_step(shapes=((3,),)).graph, all_to_all_chunk_bytes=0, **FAKE)
+
+
+PASS_A2A = "all_to_all_weight_update"
+
+
 class TestInterleaveLeavesAlone(PassTestCase):
     def test_update_after_a_write_to_what_it_reads_stays(self):
         """An update placed after a write to an input it reads would read the old value if it
@@ -306,6 +393,11 @@ def _gloo_shard_worker(rank, world_size):
     from torch._dynamo.utils import counters
 
     out = {}
+    zero = zero_optimizer(world_size, ((5,), (3, 7)), torch.optim.SGD)
+    fn, args = zero_step_fn(zero, "fp32", True)
+    gm = trace(fn, *args(), world_size=None)
+    gm.graph.eliminate_dead_code()
+    out["all_to_all"] = (all_to_all_weight_update(gm.graph), counts(gm))
     for backends in (None, ("gloo",)):
         counters["passes"].clear()
         zero = zero_optimizer(world_size, ((5,), (3, 7)), torch.optim.SGD, shard_buckets=True)
@@ -329,6 +421,8 @@ def test_shard_weight_update_leaves_gloo_alone_by_default():
     assert skipped and "reduce_scatter costs more" in skipped[0], counts
     changed, reduce_scatters, _ = out[("gloo",)]
     assert changed and reduce_scatters == 2
+    # all_to_all_weight_update is the one that rewrites gloo graphs by default
+    assert out["all_to_all"] == (True, (0, 0, 2, 2, 0)), out["all_to_all"]
 
 
 class TestShardBackends(PassTestCase):
