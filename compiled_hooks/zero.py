@@ -13,25 +13,33 @@ rank is *data*, read when the graph runs by ``torch.ops.compiled_hooks.group_ran
 Gradients are reduced in buckets (DDP's: its C++ reducer's own buckets in eager mode; in
 compiled mode, gradients packed in gradient-ready order up to DDP's ``bucket_cap_mb``, the
 first up to 1 MB), one ``hook`` call per bucket, so a step issues about as many collectives as
-DDP plus one broadcast per owner per bucket:
+DDP plus one broadcast per rank per bucket:
 
 - ``shard_buckets=False``: whole parameters, assigned greedily by size (largest first, ties in
   gradient-ready order) to the least-loaded rank. Each rank holds flat state buffers of the
   largest rank's load; a parameter's state sits at the same offset on every rank (in its
-  owner's buffer). Every rank computes the update on those offsets, keeps it only where it
-  owns the parameter (``torch.where`` on the rank), and each owner's new values are broadcast::
+  owner's buffer). A bucket is laid out owner-major: row r holds the gradients of the members
+  rank r owns, every row padded to the longest (the hooks close a full bucket where its rows
+  are nearly equal, see :class:`ZeroStep`). Every rank reads its own row of the averaged bucket,
+  computes the update of every member from it (right on the member's owner; elsewhere thrown
+  away: the state is kept only where ``owner == rank``, a ``torch.where`` on the rank), and
+  every rank's own row of new values is broadcast from that rank::
 
-      g = hook(cat(grads))                             # one all_reduce (avg) per bucket
+      g = hook(owner_major(grads))[rank]               # one all_reduce (avg) per bucket, own row read
       new_p, new_s = update(p, g, s[off:off+n], step)  # every rank; s written where owner == rank
-      p <- broadcast(cat(new_p of owner r), src=r)     # per owner in the bucket
+      p <- cat(broadcast(owner_major(new_p)[rank], src=r) for r)  # one per rank
 
   Optimizer compute is thereby spent on every rank; optimizer *memory* is what is sharded.
+  Reading only the own row lets ``passes`` reduce just that row: ``all_to_all_weight_update``
+  (gloo) and ``shard_weight_update`` (NCCL) turn the all_reduce + broadcasts into an exchange
+  that moves the bytes of one all_reduce.
 - ``shard_buckets=True``: every parameter is split evenly (flat, padded to a multiple of N);
   the bucket is reduced rank-major (this rank's slice of the bucket holds its slice of every
   member), each rank updates its slices (selected with ``group_rank``) and the bucket's slices
-  are broadcast from every rank and concatenated. ``passes.shard_weight_update`` rewrites that
-  all_reduce + own-slice read + N broadcasts into reduce_scatter + all_gather. The full averaged
-  gradient is never written back: ``param.grad`` keeps this rank's local gradient.
+  are broadcast from every rank and concatenated, rewritten by the same passes.
+
+In both layouts the averaged gradient is not written back: in compiled DDP ``param.grad`` keeps
+this rank's local gradient.
 
 Both schedules of the original: :func:`hook_with_zero_step` updates after the last gradient
 (python reducer: a final autograd callback; C++ reducer: the last bucket), and
@@ -195,7 +203,7 @@ class ZeroOptimizer:
         """Average a bucket of gradients ``[(i, grad)]`` with one ``hook(state, flat)`` call and
         return ``[(i, g)]`` as :meth:`update_bucket` takes them, read from this rank's row of
         the bucket only, so that ``passes`` may reduce just that row (``shard_weight_update``,
-        ``owner_rows_all_to_all``); ``grad`` keeps this rank's local gradient.
+        ``all_to_all_weight_update``); ``grad`` keeps this rank's local gradient.
 
         Whole parameters: the bucket is laid out owner-major (row r holds the members rank r
         owns, padded to the longest row); ``g`` is the member's averaged gradient on its owner
@@ -215,10 +223,11 @@ class ZeroOptimizer:
     @torch.no_grad()
     def update_bucket(self, items: list[tuple[int, torch.Tensor]]) -> None:
         """Apply the optimizer to a bucket of parameters ``[(i, averaged grad)]`` (with
-        ``shard_buckets``, this rank's slices, as :meth:`reduce_bucket` gives them) and make
-        the results identical on every rank: one broadcast per owner in the bucket (whole
-        parameters) or one from every rank (``shard_buckets``). Traceable; the same graph on
-        every rank."""
+        ``shard_buckets``, this rank's slices, as :meth:`reduce_bucket` gives them; whole
+        parameters: the gradient need only be right on the parameter's owner) and make the
+        results identical on every rank: every rank's row of new values (owner-major for whole
+        parameters, rank-major with ``shard_buckets``) broadcast from that rank. Traceable; the
+        same graph on every rank."""
         rule, rank = UPDATES[self.optimizer_class], self._rank()
         index = torch.tensor([i for i, _ in items], device=self._device)
         steps = self._steps[index] + 1
