@@ -52,7 +52,7 @@ from torch.fx import Graph, Node
 
 from ._graph import ALL_GATHER, ALL_TO_ALL, VIEW_OPS, WAIT, aten, check_graph, flat_value, is_op, new_node, record, val
 from .fuse_cat_prologue import cat_prologue_problem
-from .shard_weight_update import own_slice, owner_broadcasts
+from .shard_weight_update import weight_update_matches
 
 PASS = "all_to_all_weight_update"
 BACKENDS = frozenset({"gloo"})
@@ -70,10 +70,9 @@ def _packed_rows(graph: Graph, chain, n: int, c: int, lo: int, hi: int) -> Node:
     """Columns ``lo:hi`` of every row of a bucket packed by a ``cat`` of 1-D members (``chain``
     starts at it), written straight from the members' slices with the hook's scales and casts
     applied to each (as ``fuse_cat_prologue`` does for a whole bucket): ``[n, hi - lo]``."""
-    members, ops = chain.start.args[0], [op for op in chain.pre if not is_op(op, VIEW_OPS)]
-    parts, at = [], 0
-    bounds = []
-    for m in members:
+    ops = [op for op in chain.pre if not is_op(op, VIEW_OPS)]
+    parts, bounds, at = [], [], 0
+    for m in chain.start.args[0]:
         bounds.append((at, at + val(m).numel(), m))
         at += val(m).numel()
     for row in range(n):
@@ -159,20 +158,12 @@ def all_to_all_weight_update(graph: Graph, all_to_all_backends: Collection[str] 
     if all_to_all_chunk_bytes <= 0:
         raise ValueError(f"{PASS}: all_to_all_chunk_bytes must be positive, got {all_to_all_chunk_bytes}")
     changed = False
-    for node in list(graph.nodes):  # a rewrite erases only nodes before ``node``
-        own = own_slice(node)
-        found = own or owner_broadcasts(node)
-        if found is None:
-            continue
-        info = found[1]
-        if info.backend not in all_to_all_backends:
-            record(PASS, f"skipped: backend {info.backend} (not in all_to_all_backends)", node)
-            continue
-        if own is not None:
-            chunks = _rewrite_own_row(graph, node, own[0], info.size, all_to_all_chunk_bytes)
+    for node, chain, broadcasts, n in weight_update_matches(graph, PASS, all_to_all_backends, {}):
+        if chain is not None:
+            chunks = _rewrite_own_row(graph, node, chain, n, all_to_all_chunk_bytes)
             record(PASS, "all_reduce read in own row -> all_to_all", node)
         else:
-            chunks = _rewrite_owner_broadcasts(graph, node, found[0], all_to_all_chunk_bytes)
+            chunks = _rewrite_owner_broadcasts(graph, node, broadcasts, all_to_all_chunk_bytes)
             record(PASS, "owner broadcasts -> all_gather", node)
         record(PASS, f"{chunks} chunk(s)", node)
         changed = True

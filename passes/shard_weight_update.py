@@ -45,9 +45,11 @@ PASS = "shard_weight_update"
 # Backends on which the rewrite pays: NCCL's reduce_scatter and all_gather each move half the
 # bytes of an all_reduce. "fake" is the test backend. On gloo each costs about as much as the
 # all_reduce (16 MB fp32 on a 2 Gbit/s link: all_reduce 70 ms, reduce_scatter 91 ms,
-# all_gather 61 ms, broadcast 71 ms), so gloo graphs are left alone unless asked for.
+# all_gather 61 ms, broadcast 71 ms), so gloo graphs are left alone unless asked for
+# (all_to_all_weight_update makes the same exchange there out of chunked all_to_all).
 SHARD_BACKENDS = frozenset({"nccl", "fake"})
-_WHY_NOT = {"gloo": "its reduce_scatter costs more than its all_reduce; pass shard_backends to force"}
+_WHY_NOT = {"gloo": "its reduce_scatter costs more than its all_reduce; all_to_all_weight_update covers gloo, "
+                    "or pass shard_backends to force"}
 
 
 def own_slice(index: Node):
@@ -128,27 +130,36 @@ def _rewrite_owner_broadcasts(graph: Graph, cat: Node, broadcasts: list[Node]) -
         graph.erase_node(b)
 
 
+def weight_update_matches(graph: Graph, pass_name: str, backends: Collection[str], why_not: dict[str, str]):
+    """The two patterns above in ``graph``, on groups whose backend is in ``backends``:
+    ``(node, own-slice chain or None, owner broadcasts or None, group size)`` per match, in
+    graph order; a match on another backend is counted with ``why_not``'s reason. A rewrite
+    made while iterating may erase only nodes before ``node``."""
+    for node in list(graph.nodes):
+        own = own_slice(node)
+        found = own or owner_broadcasts(node)
+        if found is None:
+            continue
+        info = found[1]
+        if info.backend not in backends:
+            reason = why_not.get(info.backend, f"not in {pass_name}'s backends")
+            record(pass_name, f"skipped: backend {info.backend} ({reason})", node)
+            continue
+        yield node, (own[0] if own else None), (None if own else found[0]), info.size
+
+
 def shard_weight_update(graph: Graph, shard_backends: Collection[str] = SHARD_BACKENDS) -> bool:
     """Rewrite own-slice all_reduces to reduce_scatter and owner broadcasts to all_gather (see
     the module docstring) on groups whose backend is in ``shard_backends``; True if anything
     changed. A match on another backend is left alone and counted with the reason."""
     check_graph(PASS, graph)
     changed = False
-    for node in list(graph.nodes):  # a rewrite erases only nodes before ``node``
-        own = own_slice(node)
-        found = own or owner_broadcasts(node)
-        if found is None:
-            continue
-        info = found[1]
-        if info.backend not in shard_backends:
-            record(PASS, f"skipped: backend {info.backend} ({_WHY_NOT.get(info.backend, 'not in shard_backends')})",
-                   node)
-            continue
-        if own is not None:
-            _rewrite_own_slice(graph, node, own[0], info.size)
+    for node, chain, broadcasts, n in weight_update_matches(graph, PASS, shard_backends, _WHY_NOT):
+        if chain is not None:
+            _rewrite_own_slice(graph, node, chain, n)
             record(PASS, "all_reduce read in own slice -> reduce_scatter", node)
         else:
-            _rewrite_owner_broadcasts(graph, node, found[0])
+            _rewrite_owner_broadcasts(graph, node, broadcasts)
             record(PASS, "owner broadcasts -> all_gather", node)
         changed = True
     return changed
