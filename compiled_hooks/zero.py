@@ -189,15 +189,16 @@ class ZeroOptimizer:
             used[r] += t.numel()
         return place, max(used)
 
-    def _owner_major(self, items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        """Whole parameters: ``items``' tensors flat, owner-major (``[world_size * L]``)."""
+    def _owner_major(self, items: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Whole parameters: ``items``' tensors flat, owner-major (``[world_size * L]``), and
+        each one's (row, offset in the row)."""
         place, length = self._owner_rows(items)
         parts = []
         for r in range(self.world_size):
             row = [t.reshape(-1) for (i, t), (owner, _) in zip(items, place) if owner == r]
             pad = length - sum(t.numel() for t in row)
             parts += row + ([items[0][1].new_zeros(pad)] if pad else [])
-        return torch.cat(parts)
+        return torch.cat(parts), place
 
     def reduce_bucket(self, hook: Callable[..., Any], state: Any, items: list[tuple[int, torch.Tensor]]):
         """Average a bucket of gradients ``[(i, grad)]`` with one ``hook(state, flat)`` call and
@@ -214,10 +215,9 @@ class ZeroOptimizer:
             flat = self._rank_major(items)
             hook(state, flat)
             return list(zip((i for i, _ in items), self._own_slices(items, flat)))
-        flat = self._owner_major(items)
+        flat, place = self._owner_major(items)
         hook(state, flat)
         own = flat.view(self.world_size, -1).index_select(0, self._rank()).view(-1)
-        place, _ = self._owner_rows(items)
         return [(i, own[at:at + g.numel()].view_as(g)) for (i, g), (_, at) in zip(items, place)]
 
     @torch.no_grad()
@@ -258,10 +258,10 @@ class ZeroOptimizer:
             return
         # every rank's row of new values, from that rank (owner-major, as reduce_bucket)
         members = [(i, new.view_as(self.params[i])) for (i, _), new in zip(items, new_values)]
-        own = self._owner_major(members).view(self.world_size, -1).index_select(0, rank).view(-1)
+        flat, place = self._owner_major(members)
+        own = flat.view(self.world_size, -1).index_select(0, rank).view(-1)
         rows = torch.cat([fcol.broadcast(own, src, self.process_group) for src in range(self.world_size)])
         rows = rows.view(self.world_size, -1)
-        place, _ = self._owner_rows(members)
         for (i, new), (r, at) in zip(members, place):
             self.params[i].copy_(rows[r, at:at + new.numel()].view_as(new))
 

@@ -258,6 +258,16 @@ def new_node(graph: Graph, target: Callable, args: tuple, kwargs: Optional[dict]
     return node
 
 
+def reapply(graph: Graph, value: Node, ops: list[Node]) -> Node:
+    """``ops`` (a chain's elementwise scales and casts, and views) applied again, in order, to
+    ``value`` at the graph's insert point; views are skipped, so ``value`` keeps its own shape
+    (the ops act elementwise). Returns the last new node (``value`` if none)."""
+    for op in ops:
+        if not is_op(op, VIEW_OPS):
+            value = new_node(graph, op.target, (value, *op.args[1:]), dict(op.kwargs))
+    return value
+
+
 def flat_value(like: torch.Tensor, numel: int) -> torch.Tensor:
     """The fake value of a new contiguous 1-D tensor of ``numel`` elements of ``like``'s dtype and
     device: what a ``cat`` of 1-D pieces gives, without the fake kernel walking every input."""

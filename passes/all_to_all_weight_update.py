@@ -37,7 +37,7 @@ Two independent rewrites, each exact on its own:
        g_k = view(wait(all_gather_into_tensor(y[k-th chunk], N, G)), [N, chunk])
        full = view(cat([g_0, g_1, ...], 1), [N * c])
 
-Where the backend is in ``backends`` (default gloo only: NCCL and the fake test backend get
+Where the backend is in ``all_to_all_backends`` (default gloo only: NCCL and the fake test backend get
 ``shard_weight_update``'s reduce_scatter, which needs no local sum); another backend is left
 alone and counted. Runs before anything that buckets all_reduces (``default_pipeline`` puts it
 first, after ``shard_weight_update`` when that is asked for, which leaves gloo graphs alone).
@@ -50,7 +50,7 @@ from typing import Collection
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, ALL_TO_ALL, VIEW_OPS, WAIT, aten, check_graph, flat_value, is_op, new_node, record, val
+from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, check_graph, flat_value, is_op, new_node, reapply, record, val
 from .fuse_cat_prologue import cat_prologue_problem
 from .shard_weight_update import weight_update_matches
 
@@ -70,7 +70,6 @@ def _packed_rows(graph: Graph, chain, n: int, c: int, lo: int, hi: int) -> Node:
     """Columns ``lo:hi`` of every row of a bucket packed by a ``cat`` of 1-D members (``chain``
     starts at it), written straight from the members' slices with the hook's scales and casts
     applied to each (as ``fuse_cat_prologue`` does for a whole bucket): ``[n, hi - lo]``."""
-    ops = [op for op in chain.pre if not is_op(op, VIEW_OPS)]
     parts, bounds, at = [], [], 0
     for m in chain.start.args[0]:
         bounds.append((at, at + val(m).numel(), m))
@@ -83,9 +82,7 @@ def _packed_rows(graph: Graph, chain, n: int, c: int, lo: int, hi: int) -> Node:
             part = m
             if start < a or end > b:
                 part = new_node(graph, aten.slice.Tensor, (m, 0, max(a, start) - start, min(b, end) - start))
-            for op in ops:
-                part = new_node(graph, op.target, (part, *op.args[1:]), dict(op.kwargs))
-            parts.append(part)
+            parts.append(reapply(graph, part, chain.pre))
     flat = new_node(graph, aten.cat.default, (parts,), value=flat_value(val(parts[0]), n * (hi - lo)))
     return new_node(graph, aten.view.default, (flat, [n, hi - lo]))
 
@@ -113,9 +110,7 @@ def _rewrite_own_row(graph: Graph, index: Node, chain, n: int, chunk_bytes: int)
         if chain.reduce_op == "avg":
             value = new_node(graph, aten.div.Tensor, (value, n))
     with graph.inserting_before(index):
-        for op in chain.post:  # the hook's scales and casts, on the row (elementwise: they commute)
-            if not is_op(op, VIEW_OPS):
-                value = new_node(graph, op.target, (value, *op.args[1:]), dict(op.kwargs))
+        value = reapply(graph, value, chain.post)  # the hook's scales and casts, on the row (elementwise)
         mine = new_node(graph, aten.view.default, (value, list(val(index).shape)))
     index.replace_all_uses_with(mine)
     dead = [index, *reversed(chain.post), chain.wait, chain.collective]

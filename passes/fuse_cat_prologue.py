@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import VIEW_OPS, aten, cast_dtype, chains, flat_value, is_op, new_node, record, scale_factor, val
+from ._graph import VIEW_OPS, aten, cast_dtype, chains, flat_value, is_op, new_node, reapply, record, scale_factor, val
 
 PASS = "fuse_cat_prologue"
 
@@ -60,18 +60,14 @@ def fuse_cat_prologue(graph: Graph) -> bool:
         if reason is not None:
             record(PASS, f"skipped: {reason}", chain.collective)
             continue
-        ops = [n for n in chain.pre if not is_op(n, VIEW_OPS)]  # 1-D views of a 1-D tensor: identities
-        with graph.inserting_before(chain.collective):
-            members = []
-            for m in cat.args[0]:
-                for op in ops:
-                    m = new_node(graph, op.target, (m, *op.args[1:]), dict(op.kwargs))
-                members.append(m)
+        with graph.inserting_before(chain.collective):  # 1-D views of a 1-D tensor: identities
+            members = [reapply(graph, m, chain.pre) for m in cat.args[0]]
             total = sum(val(m).numel() for m in members)
             flat = new_node(graph, aten.cat.default, (members,), value=flat_value(val(members[0]), total))
         chain.collective.replace_input_with(chain.collective.args[0], flat)
         for n in reversed([cat, *chain.pre]):
             graph.erase_node(n)
-        record(PASS, f"moved {len(ops)} op(s) into the cat's members", chain.collective)
+        moved = sum(not is_op(n, VIEW_OPS) for n in chain.pre)
+        record(PASS, f"moved {moved} op(s) into the cat's members", chain.collective)
         changed = True
     return changed

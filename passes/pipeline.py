@@ -28,6 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
+from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
@@ -37,7 +38,6 @@ from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .rank_guard import RankDivergenceError, unraised_verdict
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
-from .all_to_all_weight_update import all_to_all_weight_update
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from ._graph import check_graph
 from .verify import check_rewrite, copy_graph

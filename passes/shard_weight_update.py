@@ -38,7 +38,7 @@ from torch.fx import Graph, Node
 
 from ._graph import (
     ALL_GATHER, ALL_REDUCE, BROADCAST, CAST_OPS, GROUP_RANK, REDUCE_SCATTER, VIEW_OPS, WAIT, aten, check_graph,
-    group_info, is_op, is_scale, match_chain, new_node, record, val,
+    group_info, is_op, is_scale, match_chain, new_node, reapply, record, val,
 )
 
 PASS = "shard_weight_update"
@@ -85,9 +85,7 @@ def _rewrite_own_slice(graph: Graph, index: Node, chain, n: int) -> None:
     with graph.inserting_before(chain.wait):
         value = new_node(graph, WAIT, (rs,))
     with graph.inserting_before(index):
-        for op in chain.post:  # the scales and casts, on the slice (elementwise: they commute)
-            if not is_op(op, VIEW_OPS):
-                value = new_node(graph, op.target, (value, *op.args[1:]), dict(op.kwargs))
+        value = reapply(graph, value, chain.post)  # the scales and casts, on the slice (elementwise: they commute)
         mine = new_node(graph, aten.view.default, (value, list(val(index).shape)))
     index.replace_all_uses_with(mine)
     for dead in [index, *reversed(chain.post), chain.wait, chain.collective]:
