@@ -7,6 +7,7 @@ depends on the rank. ``install()`` registers a :class:`Pipeline` of them with In
 """
 
 from . import testing
+from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
@@ -31,6 +32,7 @@ __all__ = [
     "reinplace_broadcasts",
     "shard_weight_update",
     "all_to_all_weight_update",
+    "all_gather_as_all_to_all",
     "insert_rank_guard",
     "RankDivergenceError",
     "Pipeline",

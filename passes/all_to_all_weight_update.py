@@ -37,6 +37,9 @@ Two independent rewrites, each exact on its own:
        g_k = view(wait(all_gather_into_tensor(y[k-th chunk], N, G)), [N, chunk])
        full = view(cat([g_0, g_1, ...], 1), [N * c])
 
+On gloo, ``all_gather_as_all_to_all`` (last in ``default_pipeline``) then turns each all_gather
+into an all_to_all of the same bytes: gloo's all_gather is not safe with several in flight.
+
 Where the backend is in ``all_to_all_backends`` (default gloo only: NCCL and the fake test backend get
 ``shard_weight_update``'s reduce_scatter, which needs no local sum); another backend is left
 alone and counted. Runs before anything that buckets all_reduces (``default_pipeline`` puts it

@@ -28,6 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
+from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
@@ -197,13 +198,15 @@ def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool
                      check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
     """``all_to_all_weight_update``, ``fold_collective_scaling``, ``fuse_collective_casts``,
     ``bucket_low_rank_factors``, ``fuse_cat_prologue``, ``interleave_zero_broadcasts``,
-    ``schedule_collectives``, ``reinplace_broadcasts`` (options: ``all_to_all_backends``,
-    ``all_to_all_chunk_bytes``, ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``,
-    ``factor_bucket_cap_mb``; ``shard_backends`` with ``shard_weight_update``); with
+    ``schedule_collectives``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all`` (options:
+    ``all_to_all_backends``, ``all_to_all_chunk_bytes``, ``all_gather_backends``,
+    ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``;
+    ``shard_backends`` with ``shard_weight_update``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces
     it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
     passes = [all_to_all_weight_update, fold_collective_scaling, fuse_collective_casts, bucket_low_rank_factors,
-              fuse_cat_prologue, interleave_zero_broadcasts, schedule_collectives, reinplace_broadcasts]
+              fuse_cat_prologue, interleave_zero_broadcasts, schedule_collectives, reinplace_broadcasts,
+              all_gather_as_all_to_all]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)

@@ -209,7 +209,8 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
     """Real Inductor compiles with the ZeRO passes installed, run on gloo: the schedule pass ran
     on both; with shard_buckets (shard_weight_update forced) the all_reduce + broadcasts became
     reduce_scatter + all_gather, with whole parameters (the default pipeline) chunked
-    all_to_all + all_gather."""
+    all_to_all + all_gather; every all_gather then sent as an all_to_all (all_gather_as_all_to_all:
+    run on a cold Inductor cache, this test aborted now and then in gloo's all_gather before)."""
     configs = [("adam", "interleaved", True), ("sgd_momentum", "after_backward", False)]
     outcomes = run_ranks(zero_worker, 2, configs, "inductor", timeout=600)
     check(outcomes, 2)
@@ -227,6 +228,10 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
         assert not any(k.startswith("shard_weight_update") for k in whole), whole
         assert whole.get("all_to_all_weight_update: all_reduce read in own row -> all_to_all") == 2, whole
         assert whole.get("all_to_all_weight_update: owner broadcasts -> all_gather") == 2, whole
+        # gloo: every all_gather (several in flight) goes out as an all_to_all
+        assert sharded.get("all_gather_as_all_to_all: all_gather -> all_to_all") == 3, sharded
+        assert whole.get("all_gather_as_all_to_all: all_gather -> all_to_all", 0) >= 2, whole
+        assert not any(k.startswith("all_gather_as_all_to_all: skipped") for k in {**sharded, **whole}), (sharded, whole)
 
 
 SEED_HOOKS = {  # what a user of the original passes: (hook, state maker), DDP's reducer

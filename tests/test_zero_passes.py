@@ -1,10 +1,12 @@
-"""interleave_zero_broadcasts, shard_weight_update and all_to_all_weight_update on traced ZeRO
-steps (fake process group): snapshots of the schedule, idempotence, numerics (simulated
-collectives) and what is left alone."""
+"""interleave_zero_broadcasts, shard_weight_update, all_to_all_weight_update and
+all_gather_as_all_to_all on traced ZeRO steps (fake process group): snapshots of the schedule,
+idempotence, numerics (simulated collectives) and what is left alone."""
 
 import torch
+from torch._dynamo.utils import counters
 
-from passes import all_to_all_weight_update, interleave_zero_broadcasts, shard_weight_update
+from passes import (all_gather_as_all_to_all, all_to_all_weight_update, interleave_zero_broadcasts,
+                    shard_weight_update)
 from passes.testing import graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.graphs import zero_optimizer, zero_step_fn
@@ -347,6 +349,38 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
 
 
 PASS_A2A = "all_to_all_weight_update"
+
+
+class TestAllGatherAsAllToAll(PassTestCase):
+    def test_all_gathers_go_out_as_all_to_alls(self):
+        """After all_to_all_weight_update (two all_gather chunks in flight at once): each
+        all_gather becomes an all_to_all of N copies of its input, values unchanged; the fake
+        backend stands in for gloo here."""
+        gm = traced_step(shapes=((5,), (2,)), interleaved=False, bucket_bytes=1 << 20)
+        all_to_all_weight_update(gm.graph, all_to_all_chunk_bytes=12, **FAKE)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, all_gather_as_all_to_all, all_gather_backends=("fake",))
+        self.assertExpectedInline(schedule(gm), """\
+backward -> sin
+backward -> sin_1
+all_to_all_single_default: f32[2, 3] = c10d.all_to_all_single(view_default, [1, 1], [1, 1], group(size=2))
+all_to_all_single_default_1: f32[2, 2] = c10d.all_to_all_single(view_default_1, [1, 1], [1, 1], group(size=2))
+wait_tensor_default: f32[2, 3] = c10d.wait_tensor(all_to_all_single_default)
+wait_tensor_default_1: f32[2, 2] = c10d.wait_tensor(all_to_all_single_default_1)
+all_to_all_single_default_2: f32[6] = c10d.all_to_all_single(cat_default_4, [3, 3], [3, 3], group(size=2))
+all_to_all_single_default_3: f32[4] = c10d.all_to_all_single(cat_default_5, [2, 2], [2, 2], group(size=2))
+wait_tensor_default_2: f32[6] = c10d.wait_tensor(all_to_all_single_default_2)
+wait_tensor_default_3: f32[4] = c10d.wait_tensor(all_to_all_single_default_3)
+copy_: f32[5] = aten.copy_(arg2_1, select_copy_1)
+copy__1: f32[2] = aten.copy_(arg3_1, slice_copy_2)
+copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
+        check_rewrite("all_gather_as_all_to_all", before, gm.graph)
+        self.assertEqual(counters["passes"]["all_gather_as_all_to_all: all_gather -> all_to_all"], 2)
+
+    def test_leaves_other_backends_alone(self):
+        gm = traced_step(shapes=((5,), (2,)), interleaved=False, bucket_bytes=1 << 20)
+        all_to_all_weight_update(gm.graph, **FAKE)
+        self.assertUntouched(gm, all_gather_as_all_to_all, "backend fake")
 
 
 class TestInterleaveLeavesAlone(PassTestCase):

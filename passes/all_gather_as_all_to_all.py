@@ -1,0 +1,59 @@
+"""gloo: every functional ``all_gather_into_tensor`` becomes an ``all_to_all_single`` that sends
+each rank the same piece, because the all_gather is not safe there with two in flight.
+
+torch 2.13 runs the functional all_gather on gloo as ``allgather_coalesced`` (a flat temporary,
+then a copy into the output), and with two or more in flight at once that path corrupts the
+heap: two processes on loopback issuing 2 to 60 async all_gathers of 8 to 100,000 floats before
+waiting aborted (``malloc(): unaligned tcache chunk detected``, or SIGSEGV) within 1,000 rounds
+in every try, with or without the inputs kept alive, while one at a time, or the same rounds of
+all_to_all_single, reduce_scatter, all_reduce or broadcast, ran clean (pytorch/pytorch#65231
+and #65237 report gloo's async allgather_coalesced aborting the same way). The
+``all_gather_into_tensor_out`` variant runs clean on gloo too, but Inductor lowers it as an
+in-place kernel and reuses its input buffer for the next kernel before the wait (seen in its
+output code: ``buf377 = buf372; del buf372  # reuse`` right after the collective), so the chunks
+went out overwritten. Out-of-place collectives keep their inputs until the wait. The chunked
+all_gathers of ``all_to_all_weight_update``, and ``shard_weight_update``'s when it is forced on
+gloo, are several in flight by design; so this pass runs last (after the scheduling passes,
+which treat all_to_all as a gradient collective) and rewrites each::
+
+    ag = all_gather_into_tensor(x, N, G)     ->    ag = all_to_all_single(cat([x] * N), [d] * N, [d] * N, G)
+    w = wait_tensor(ag)                            w = wait_tensor(ag)          # d = x.size(0)
+
+Row block j of the input goes to rank j and block j of the output comes from rank j, so the
+output is the all_gather's, bit for bit, with the same bytes on the wire; the cost is one local
+copy of ``N * x`` per collective. Groups whose backend is not in ``all_gather_backends``
+(default gloo only: NCCL's all_gather is its own implementation) are left alone and counted.
+"""
+
+from __future__ import annotations
+
+from typing import Collection
+
+from torch.fx import Graph
+
+from ._graph import ALL_GATHER, ALL_TO_ALL, aten, check_graph, group_info, is_op, new_node, record
+
+PASS = "all_gather_as_all_to_all"
+BACKENDS = frozenset({"gloo"})
+
+
+def all_gather_as_all_to_all(graph: Graph, all_gather_backends: Collection[str] = BACKENDS) -> bool:
+    """Rewrite all_gathers on groups whose backend is in ``all_gather_backends`` to all_to_alls
+    of ``N`` copies of the input (see the module docstring); True if anything changed."""
+    check_graph(PASS, graph)
+    changed = False
+    for ag in [n for n in graph.nodes if is_op(n, (ALL_GATHER,))]:
+        x, size, group = ag.args
+        info = group_info(group)
+        if info is None or info.backend not in all_gather_backends:
+            record(PASS, f"skipped: backend {info.backend if info else 'unknown'}", ag)
+            continue
+        splits = [ag.meta["val"].shape[0] // size] * size
+        with graph.inserting_before(ag):
+            copies = new_node(graph, aten.cat.default, ([x] * size,))
+            a2a = new_node(graph, ALL_TO_ALL, (copies, splits, splits, group))
+        ag.replace_all_uses_with(a2a)
+        graph.erase_node(ag)
+        record(PASS, "all_gather -> all_to_all", a2a)
+        changed = True
+    return changed
