@@ -163,11 +163,16 @@ class ZeroOptimizer:
     def _rank(self) -> torch.Tensor:
         return group_rank(self._group_name, self._device)
 
+    def _own_row(self, flat: torch.Tensor, rank: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Row ``rank`` (default: this rank, read at run time) of a bucket ``flat`` of
+        ``world_size`` equal rows: the read ``passes`` recognize as "this rank's row"
+        (``shard_weight_update``, ``all_to_all_weight_update``)."""
+        rows = flat.view(self.world_size, flat.numel() // self.world_size)
+        return rows.index_select(0, self._rank() if rank is None else rank).view(-1)
+
     def _own_slices(self, items: list[tuple[int, torch.Tensor]], flat: torch.Tensor) -> list[torch.Tensor]:
         """This rank's slice of every member of a rank-major bucket ``flat`` (see :meth:`reduce_bucket`)."""
-        n, chunks = self.world_size, [self._chunks[i] for i, _ in items]
-        mine = flat.view(n, sum(chunks)).index_select(0, self._rank()).view(-1)
-        return list(mine.split(chunks))
+        return list(self._own_row(flat).split([self._chunks[i] for i, _ in items]))
 
     def _own_slice(self, i: int, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t``, shaped like parameter ``i`` (``shard_buckets``)."""
@@ -217,7 +222,7 @@ class ZeroOptimizer:
             return list(zip((i for i, _ in items), self._own_slices(items, flat)))
         flat, place = self._owner_major(items)
         hook(state, flat)
-        own = flat.view(self.world_size, -1).index_select(0, self._rank()).view(-1)
+        own = self._own_row(flat)
         return [(i, own[at:at + g.numel()].view_as(g)) for (i, g), (_, at) in zip(items, place)]
 
     @torch.no_grad()
@@ -259,7 +264,7 @@ class ZeroOptimizer:
         # every rank's row of new values, from that rank (owner-major, as reduce_bucket)
         members = [(i, new.view_as(self.params[i])) for (i, _), new in zip(items, new_values)]
         flat, place = self._owner_major(members)
-        own = flat.view(self.world_size, -1).index_select(0, rank).view(-1)
+        own = self._own_row(flat, rank)
         rows = torch.cat([fcol.broadcast(own, src, self.process_group) for src in range(self.world_size)])
         rows = rows.view(self.world_size, -1)
         for (i, new), (r, at) in zip(members, place):

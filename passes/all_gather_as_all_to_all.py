@@ -31,7 +31,7 @@ from typing import Collection
 
 from torch.fx import Graph
 
-from ._graph import ALL_GATHER, ALL_TO_ALL, aten, check_graph, group_info, is_op, new_node, record
+from ._graph import ALL_GATHER, ALL_TO_ALL, aten, check_graph, group_info, is_op, new_node, record, val
 
 PASS = "all_gather_as_all_to_all"
 BACKENDS = frozenset({"gloo"})
@@ -48,7 +48,7 @@ def all_gather_as_all_to_all(graph: Graph, all_gather_backends: Collection[str] 
         if info is None or info.backend not in all_gather_backends:
             record(PASS, f"skipped: backend {info.backend if info else 'unknown'}", ag)
             continue
-        splits = [ag.meta["val"].shape[0] // size] * size
+        splits = [val(x).shape[0]] * size
         with graph.inserting_before(ag):
             copies = new_node(graph, aten.cat.default, ([x] * size,))
             a2a = new_node(graph, ALL_TO_ALL, (copies, splits, splits, group))

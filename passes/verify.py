@@ -5,8 +5,8 @@ environment) calls :func:`check_rewrite` after every pass that changed the graph
 run on the same random inputs made from the placeholders' metadata (floats from a fixed-seed
 normal distribution, integers and booleans as zeros so that indices stay valid), with every
 collective *simulated* for N ranks that hold identical values, seen from rank 0:
-``all_reduce`` sum is ``N * x`` and avg is ``x``, ``reduce_scatter`` gives rank 0's shard, ``all_to_all`` N copies of it unreduced,
-``all_gather`` repeats, ``broadcast`` and ``wait`` are the identity, ``group_rank`` is 0.
+``all_reduce`` sum is ``N * x`` and avg is ``x``, ``reduce_scatter`` gives rank 0's shard,
+``all_to_all`` N copies of it unreduced, ``all_gather`` repeats, ``broadcast`` and ``wait`` are the identity, ``group_rank`` is 0.
 So verification never communicates (it is safe at compile time on any number of ranks,
 whatever each rank compiles), and it checks exactly what the passes rewrite: the arithmetic
 and the data layout around the collectives.
