@@ -10,6 +10,12 @@ One process, one thread, each variant compiled with Inductor, medians of 12 call
 - gather: this rank's elements through an index table read at run time (``flat[table[rank]]``
   and ``index_put_`` back), so the graph is the same on every rank;
 - window: a contiguous window at a run-time offset (``flat[start + arange(L)]``, masked);
+- unbacked window: the same window read as ``narrow(flat, 0, start.item(), L)`` (an unbacked
+  offset: needs ``torch._dynamo.config.capture_scalar_outputs``; the kernels take the offset as
+  an argument and stay vectorized), the parameters' owner-major row selected as below;
+- per-member unbacked sizes: each member updated over ``numel * is_owner`` elements (an
+  unbacked integer from ``.item()``: every member on its owner, none elsewhere), its state in
+  place at a static offset, its new values written into the row;
 - owner-major row: the bucket laid out as ``[world, L]`` rows and this rank's row selected
   with ``index_select(0, rank)``, the ``cat`` of the parameters included;
 - and torch's eager foreach AdamW over the same tensors, for scale.
@@ -42,6 +48,7 @@ def median_ms(fn, *args, calls: int = 12, warmup: int = 3) -> float:
 
 def main() -> None:
     torch.set_num_threads(1)
+    torch._dynamo.config.capture_scalar_outputs = True  # the unbacked variants' .item()
     members, n = 52, 3_200_000
     sizes = [n // members] * members
     n, half = sum(sizes), sum(sizes) // 2
@@ -79,6 +86,37 @@ def main() -> None:
         v.index_put_((index,), torch.where(keep, state["exp_avg_sq"], old_v))
         return new
 
+    def update_unbacked_window(params, g, m, v, steps, start, rank):
+        s = start.item()
+        torch._check(s >= 0)
+        torch._check(s + half <= n)
+        row = torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
+        grad = g.view(2, half).index_select(0, rank).view(-1)
+        old_m, old_v = m.narrow(0, s, half), v.narrow(0, s, half)
+        new, state = RULE(row, grad, {"exp_avg": old_m, "exp_avg_sq": old_v}, step_scalars(HP, steps)[0], HP)
+        old_m.copy_(state["exp_avg"])
+        old_v.copy_(state["exp_avg_sq"])
+        return new
+
+    def update_members(params, g, m, v, steps, rank):
+        is_owner = []
+        for r in range(2):
+            u = (rank == r).to(torch.int64).sum().item()
+            torch._check(u >= 0)
+            torch._check(u <= 1)
+            is_owner.append(u)
+        row, step = g.new_zeros(half), step_scalars(HP, steps)[0]
+        for j, p in enumerate(params):
+            k = p.numel() * is_owner[j % 2]  # member j is rank j % 2's, as ``mine`` above
+            index = torch.arange(starts[j], starts[j] + k)
+            old_m, old_v = m[index], v[index]
+            new, state = RULE(p.reshape(-1)[:k], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, step, HP)
+            m.index_put_((index,), state["exp_avg"])
+            v.index_put_((index,), state["exp_avg_sq"])
+            at = sum(sizes[i] for i in range(j % 2, j, 2))  # its place in its owner's row
+            row.index_put_((torch.arange(at, at + k),), new)
+        return row
+
     def update_row(params, g, m, v, steps, rank):
         row = torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
         grad = g.view(2, half).index_select(0, rank).view(-1)
@@ -97,6 +135,9 @@ def main() -> None:
          (params, g, m, v, steps, table, member_of, rank)),
         ("window at a run-time offset", half, torch.compile(update_window),
          (flat_p, g, m, v, steps, torch.tensor(1000), torch.tensor(half - 5))),
+        ("window at an unbacked offset (`.item()`) + owner-major row", half, torch.compile(update_unbacked_window),
+         (params, g, m, v, steps, torch.tensor(1000), rank)),
+        ("per-member unbacked sizes", half, torch.compile(update_members), (params, g, m, v, steps, rank)),
         ("owner-major row (index_select)", half, torch.compile(update_row), (params, g, m, v, steps, rank)),
         ("torch AdamW, eager foreach", n, torch_opt.step, ()),
     ]
