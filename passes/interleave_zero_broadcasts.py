@@ -35,8 +35,10 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
   collective): updates start after the last gradient collective is issued, each right after
   its gradient's wait, in gradient order, overlapping the collectives still outstanding.
 
-In both, each broadcast's wait is moved to just before its first user (the write-back of the
-parameter), so all broadcasts are in flight together. Only compute nodes, waits and the ZeRO
+In both, each broadcast's wait is moved to just before the write-back of the parameter, with
+the pure computation that reads its result (the rows' join, the parameters' slices; a write
+or a collective that needs one of them ends the wait), so all broadcasts are in flight
+together and an update runs while the broadcasts before it are. Only compute nodes, waits and the ZeRO
 broadcasts move: an update that depends on another collective, a wait or a mutation, or that
 would move past a write (which it might read), is left where it is.
 """
@@ -191,19 +193,22 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             placed.update(update)
             record(PASS, "update placed after its gradient", b)
 
-    # each broadcast's wait just before its first user
+    # each broadcast's wait, with the pure computation that reads it (the rows' join, the
+    # parameters' slices), just before the first node that is not pure computation and needs one
+    # of them (the write-back), or before any write
     final: list[Node] = []
-    pending: dict[Node, Node] = {}  # wait -> itself, held back until a user needs it
+    deferred: list[Node] = []
+    held: set[Node] = set()
     for n in order:
-        if n in waits:
-            pending[n] = n
+        reads_held = any(i in held for i in n.all_input_nodes)
+        if n in waits or (reads_held and _movable(n) and not is_collective(n)):
+            deferred.append(n)
+            held.add(n)
             continue
-        for i in n.all_input_nodes:
-            if i in pending:
-                final.append(pending.pop(i))
+        if deferred and (reads_held or _mutates(n) or n.op == "output"):
+            final += deferred
+            deferred, held = [], set()
         final.append(n)
-    final[-1:-1] = list(pending)  # waits nobody reads: just before the output
-
     if final == list(graph.nodes):
         return False
     for prev, n in zip(final, final[1:]):

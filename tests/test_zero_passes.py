@@ -76,12 +76,12 @@ update -> view_10
 broadcast: f32[6] = c10d.broadcast(view_10, 0, group(size=2))
 broadcast_1: f32[6] = c10d.broadcast(view_10, 1, group(size=2))
 all_reduce_1: f32[6] = c10d.all_reduce(div_1, 'sum', group(size=2))
-wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
-wait_tensor_2: f32[6] = c10d.wait_tensor(broadcast_1)
 wait_tensor_3: f32[6] = c10d.wait_tensor(all_reduce_1)
 update -> view_23
 broadcast_2: f32[3] = c10d.broadcast(view_23, 0, group(size=2))
 broadcast_3: f32[3] = c10d.broadcast(view_23, 1, group(size=2))
+wait_tensor_1: f32[6] = c10d.wait_tensor(broadcast)
+wait_tensor_2: f32[6] = c10d.wait_tensor(broadcast_1)
 wait_tensor_4: f32[3] = c10d.wait_tensor(broadcast_2)
 wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
 copy_: f32[3] = aten.copy_(arg2_1, select_copy_1)
@@ -333,6 +333,53 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
 
     def test_leaves_alone_a_backend_not_listed_and_an_index_not_this_rank(self):
         self.assertUntouched(traced_step(shapes=((3,),)), all_to_all_weight_update, "backend fake")
+
+    def test_gathered_rows_are_waited_for_at_the_write_back(self):
+        """After backward, one bucket per parameter, each exchanged in all_gather chunks of 3
+        elements: a bucket's gathered chunks are read first by their join (a ``cat``), not by
+        the write-back. The join moves down with the waits to the write-backs, so the second
+        bucket's update and all_gathers run while the first bucket's are in flight."""
+        gm = traced_step(shapes=((2,), (5,)), interleaved=False)
+        all_to_all_weight_update(gm.graph, all_to_all_chunk_bytes=12, **FAKE)
+        # as Dynamo traces the hooks: the second gradient waited for (and summed) only after the
+        # first bucket's gathered rows are joined
+        nodes = list(gm.graph.nodes)
+        waits = [n for n in nodes if n.args and "wait" in str(n.target) and "all_to_all" in str(n.args[0].target)]
+        gathered = [n for n in nodes if n.args and "wait" in str(n.target) and "all_gather" in str(n.args[0].target)]
+        join = min((u for w in gathered for u in w.users), key=nodes.index)
+        chain = {waits[-1]}
+        for n in nodes[nodes.index(waits[-1]):nodes.index(join)]:
+            if n in chain or chain.intersection(n.all_input_nodes):
+                chain.add(n)
+                join.append(n)
+                join = n
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, interleave_zero_broadcasts)
+        self.assertExpectedInline(schedule(gm), """\
+backward -> sin
+all_to_all_single_default: f32[2, 3] = c10d.all_to_all_single(view_default, [1, 1], [1, 1], group(size=2))
+all_to_all_single_default_1: f32[2, 2] = c10d.all_to_all_single(view_default_1, [1, 1], [1, 1], group(size=2))
+wait_tensor_default: f32[2, 3] = c10d.wait_tensor(all_to_all_single_default)
+wait_tensor_default_1: f32[2, 2] = c10d.wait_tensor(all_to_all_single_default_1)
+backward -> sin_1
+all_to_all_single_default_2: f32[2, 2] = c10d.all_to_all_single(view_default_3, [1, 1], [1, 1], group(size=2))
+update -> slice_tensor_4
+all_gather_into_tensor_default: f32[6] = c10d.all_gather_into_tensor(slice_tensor_4, 2, group(size=2))
+update -> slice_tensor_5
+all_gather_into_tensor_default_1: f32[4] = c10d.all_gather_into_tensor(slice_tensor_5, 2, group(size=2))
+wait_tensor_default_2: f32[2, 2] = c10d.wait_tensor(all_to_all_single_default_2)
+update -> view_23
+all_gather_into_tensor_default_2: f32[4] = c10d.all_gather_into_tensor(view_23, 2, group(size=2))
+wait_tensor_default_3: f32[6] = c10d.wait_tensor(all_gather_into_tensor_default)
+wait_tensor_default_4: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_1)
+wait_tensor_default_5: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_2)
+copy_: f32[2] = aten.copy_(arg2_1, select_copy_1)
+copy__1: f32[5] = aten.copy_(arg3_1, select_copy)
+copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
+        gathers = [n for n in gm.graph.nodes if "all_gather" in str(n.target)]
+        nodes = list(gm.graph.nodes)
+        self.assertLess(nodes.index(gathers[-1]), min(nodes.index(next(iter(g.users))) for g in gathers))
+        check_rewrite("interleave_zero_broadcasts", before, gm.graph)
 
         def fn(x, idx):
             w = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0"))
