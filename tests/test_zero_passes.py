@@ -334,6 +334,15 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
     def test_leaves_alone_a_backend_not_listed_and_an_index_not_this_rank(self):
         self.assertUntouched(traced_step(shapes=((3,),)), all_to_all_weight_update, "backend fake")
 
+        def fn(x, idx):
+            w = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0"))
+            return w.view(2, 3)[idx]
+
+        gm = trace(fn, torch.ones(6), torch.zeros(1, dtype=torch.long), world_size=2)
+        text = graph_str(gm)
+        self.assertFalse(all_to_all_weight_update(gm.graph, **FAKE))
+        self.assertEqual(graph_str(gm), text)
+
     def test_gathered_rows_are_waited_for_at_the_write_back(self):
         """After backward, one bucket per parameter, each exchanged in all_gather chunks of 3
         elements: a bucket's gathered chunks are read first by their join (a ``cat``), not by
@@ -380,15 +389,6 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         nodes = list(gm.graph.nodes)
         self.assertLess(nodes.index(gathers[-1]), min(nodes.index(next(iter(g.users))) for g in gathers))
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
-
-        def fn(x, idx):
-            w = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0"))
-            return w.view(2, 3)[idx]
-
-        gm = trace(fn, torch.ones(6), torch.zeros(1, dtype=torch.long), world_size=2)
-        text = graph_str(gm)
-        self.assertFalse(all_to_all_weight_update(gm.graph, **FAKE))
-        self.assertEqual(graph_str(gm), text)
 
     def test_chunk_size_must_be_positive(self):
         with self.assertRaisesRegex(ValueError, "all_to_all_chunk_bytes must be positive"):
