@@ -16,8 +16,8 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
   wait, the update, the broadcasts and their waits) moves down to just before the next
   gradient collective, after the backward compute that collective needs, so the first one runs
   meanwhile; the broadcasts are still issued ahead of that next collective (the collective
-  order is the hook's), what only reads their results (their waits, the new optimizer state)
-  just after it. The last bucket's update, with no gradient collective after it, is placed
+  order is the hook's), the new optimizer state just after it (the broadcasts' waits later
+  still: below). The last bucket's update, with no gradient collective after it, is placed
   right after its gradient's wait::
 
       before                             after
