@@ -68,6 +68,12 @@ def _compressed(chain: Chain) -> bool:
     return False
 
 
+def compressed_collectives(graph: Graph) -> set[Node]:
+    """The collectives this pass may bucket: all_reduce / reduce_scatter fed by a narrowing cast
+    (a superset of its candidates, which must also be free of problems)."""
+    return {chain.collective for chain in chains(graph, PASS) if _compressed(chain)}
+
+
 def _key(chain: Chain) -> tuple[Any, ...]:
     return (chain.collective.target, chain.group_name, chain.reduce_op, chain.wire_dtype, val(chain.collective).device)
 

@@ -5,7 +5,7 @@ idempotence, numerics (simulated collectives) and what is left alone."""
 import torch
 from torch._dynamo.utils import counters
 
-from passes import (all_gather_as_all_to_all, all_to_all_weight_update, interleave_zero_broadcasts,
+from passes import (all_gather_as_all_to_all, all_to_all_weight_update, fuse_collective_casts, interleave_zero_broadcasts,
                     shard_weight_update)
 from passes.testing import graph_str, trace
 from passes.verify import check_rewrite, copy_graph
@@ -71,11 +71,11 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
 backward -> sin
 all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
 backward -> sin_1
+all_reduce_1: f32[6] = c10d.all_reduce(div_1, 'sum', group(size=2))
 wait_tensor: f32[12] = c10d.wait_tensor(all_reduce)
 update -> view_10
 broadcast: f32[6] = c10d.broadcast(view_10, 0, group(size=2))
 broadcast_1: f32[6] = c10d.broadcast(view_10, 1, group(size=2))
-all_reduce_1: f32[6] = c10d.all_reduce(div_1, 'sum', group(size=2))
 wait_tensor_3: f32[6] = c10d.wait_tensor(all_reduce_1)
 update -> view_23
 broadcast_2: f32[3] = c10d.broadcast(view_23, 0, group(size=2))
@@ -88,6 +88,18 @@ copy_: f32[3] = aten.copy_(arg2_1, select_copy_1)
 copy__1: f32[2, 3] = aten.copy_(arg3_1, view_12)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
+
+    def test_interleaved_compressed_update_stays_before_the_next_gradient_collective(self):
+        """bf16 wire: the update goes just before the next gradient collective, so broadcasts
+        stand between the two compressed all_reduces and fuse_collective_casts, on a second run
+        of the pipeline, does not merge them (the pipeline stays idempotent)."""
+        gm = traced_step(interleaved=True, kind="bf16")
+        self.assertRewrites(gm, interleave_zero_broadcasts)
+        nodes = list(gm.graph.nodes)
+        reduces = [n for n in nodes if "all_reduce" in str(n.target)]
+        first_broadcast = next(n for n in nodes if "broadcast" in str(n.target))
+        self.assertLess(nodes.index(first_broadcast), nodes.index(reduces[1]))
+        self.assertFalse(fuse_collective_casts(gm.graph))
 
     def test_after_backward_updates_follow_the_last_gradient(self):
         gm = traced_step(interleaved=False)
@@ -388,6 +400,21 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         gathers = [n for n in gm.graph.nodes if "all_gather" in str(n.target)]
         nodes = list(gm.graph.nodes)
         self.assertLess(nodes.index(gathers[-1]), min(nodes.index(next(iter(g.users))) for g in gathers))
+        check_rewrite("interleave_zero_broadcasts", before, gm.graph)
+
+    def test_interleaved_update_waits_for_all_chunks_of_the_next_gradient(self):
+        """Interleaved, the second bucket's gradient exchanged in two all_to_all chunks: the
+        first bucket's update and all_gather move down past both chunks, so the second bucket's
+        gradient goes on the wire first."""
+        gm = traced_step(shapes=((5,), (2,)), interleaved=True)
+        all_to_all_weight_update(gm.graph, all_to_all_chunk_bytes=12, **FAKE)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, interleave_zero_broadcasts)
+        nodes = list(gm.graph.nodes)
+        exchanges = [n for n in nodes if "all_to_all" in str(n.target)]
+        gathers = [n for n in nodes if "all_gather" in str(n.target)]
+        self.assertEqual((len(exchanges), len(gathers)), (3, 3))
+        self.assertLess(nodes.index(exchanges[-1]), nodes.index(gathers[0]))
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
 
     def test_chunk_size_must_be_positive(self):
