@@ -139,12 +139,13 @@ def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Nod
     on a second run of the pipeline."""
     held: dict[Node, tuple[list[Node], list[Node]]] = {}
     end = _issued_together(nodes, position, gradient_collectives)
+    index = {c: k for k, c in enumerate(gradient_collectives)}
     for first, second in zip(gradient_collectives, gradient_collectives[1:]):
         lo, hi = position[first], position[second]
         region = [n for n in nodes[lo + 1:hi] if n in latest and latest[n].args[0] is first]
         if not any(n in broadcasts for n in region):
             continue
-        run = gradient_collectives[gradient_collectives.index(second):gradient_collectives.index(end[second]) + 1]
+        run = gradient_collectives[index[second]:index[end[second]] + 1]
         past = not compressed.intersection([first, *run])
         anchor = end[second] if past else second
         if _written_between(mutations, lo, position[anchor]):
@@ -194,7 +195,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             latest = _latest_gradient_wait(graph, position)
             mutations = [position[n] for n in nodes if _mutates(n)]
             for b in moved.intersection(broadcasts):
-                record(PASS, "update moved down past the next gradient collective", b)
+                record(PASS, "update held back to the next gradient collective", b)
 
     anchored: dict[Node, list[Node]] = {}
     for b in broadcasts:
@@ -227,16 +228,16 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
     # of them (the write-back), or before any write
     final: list[Node] = []
     deferred: list[Node] = []
-    held: set[Node] = set()
+    waiting: set[Node] = set()  # the same nodes, for lookups
     for n in order:
-        reads_held = any(i in held for i in n.all_input_nodes)
-        if n in waits or (reads_held and _movable(n) and not is_collective(n)):
+        reads_waiting = any(i in waiting for i in n.all_input_nodes)
+        if n in waits or (reads_waiting and _movable(n) and not is_collective(n)):
             deferred.append(n)
-            held.add(n)
+            waiting.add(n)
             continue
-        if deferred and (reads_held or _mutates(n) or n.op == "output"):
+        if deferred and (reads_waiting or _mutates(n) or n.op == "output"):
             final += deferred
-            deferred, held = [], set()
+            deferred, waiting = [], set()
         final.append(n)
     if final == list(graph.nodes):
         return False
