@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["UPDATES", "state_names", "hyperparameters", "step_scalars"]
+__all__ = ["UPDATES", "delta_rule", "state_names", "hyperparameters", "step_scalars"]
 
 Hp = dict[str, Any]
 State = dict[str, torch.Tensor]
@@ -39,29 +39,40 @@ def step_scalars(hp: Hp, steps: torch.Tensor) -> torch.Tensor:
     return torch.stack([steps, hp["lr"] / bias_correction1, bias_correction2.sqrt()], dim=1)
 
 
-def _sgd(p: torch.Tensor, g: torch.Tensor, state: State, step: torch.Tensor, hp: Hp):
-    if hp["weight_decay"] != 0:
-        g = g + hp["weight_decay"] * p
+def _sgd_delta(g: torch.Tensor, state: State, step: torch.Tensor, hp: Hp):
     if hp["momentum"] != 0:
         # torch starts the buffer as a copy of the first gradient (undamped)
         buf = torch.where(step[0] == 1, g, state["momentum_buffer"] * hp["momentum"] + (1 - hp["dampening"]) * g)
         state = {"momentum_buffer": buf}
         g = g + hp["momentum"] * buf if hp["nesterov"] else buf
-    return p - hp["lr"] * g, state
+    return hp["lr"] * g, state
+
+
+def _sgd(p: torch.Tensor, g: torch.Tensor, state: State, step: torch.Tensor, hp: Hp):
+    if hp["weight_decay"] != 0:
+        g = g + hp["weight_decay"] * p
+    delta, state = _sgd_delta(g, state, step, hp)
+    return p - delta, state
+
+
+def _adam_delta(g: torch.Tensor, state: State, step: torch.Tensor, hp: Hp):
+    (beta1, beta2), eps = hp["betas"], hp["eps"]
+    exp_avg = torch.lerp(state["exp_avg"], g, 1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
+    step_size, bias_correction2_sqrt = step[1].to(g.dtype), step[2].to(g.dtype)
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    return step_size * (exp_avg / denom), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
 def _adam(p: torch.Tensor, g: torch.Tensor, state: State, step: torch.Tensor, hp: Hp, decoupled: bool = False):
-    lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
+    wd = hp["weight_decay"]
     if wd != 0:
         if decoupled:
-            p = p * (1 - lr * wd)
+            p = p * (1 - hp["lr"] * wd)
         else:
             g = g + wd * p
-    exp_avg = torch.lerp(state["exp_avg"], g, 1 - beta1)
-    exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
-    step_size, bias_correction2_sqrt = step[1].to(p.dtype), step[2].to(p.dtype)
-    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-    return p - step_size * (exp_avg / denom), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    delta, state = _adam_delta(g, state, step, hp)
+    return p - delta, state
 
 
 def _adamw(p, g, state, step, hp):
@@ -73,6 +84,21 @@ UPDATES: dict[type, Callable[..., tuple[torch.Tensor, State]]] = {
     torch.optim.Adam: _adam,
     torch.optim.AdamW: _adamw,
 }
+
+
+def delta_rule(optimizer_class: type, hp: Hp) -> tuple[float, Callable[..., tuple[torch.Tensor, State]]] | None:
+    """``(decay, delta)`` where ``optimizer_class``'s update with ``hp`` reads the parameter only
+    as ``new = param * decay - delta(grad, state, step, hp)`` (the same arithmetic as
+    :data:`UPDATES`): AdamW, and Adam or SGD without weight decay (theirs adds ``wd * param`` to
+    the gradient). ``None`` otherwise. Lets ZeRO compute ``delta`` on the owner alone and apply
+    it to the parameter on every rank."""
+    wd = hp["weight_decay"]
+    if optimizer_class is torch.optim.AdamW:
+        return 1 - hp["lr"] * wd, _adam_delta
+    if wd != 0:
+        return None
+    return 1.0, _adam_delta if optimizer_class is torch.optim.Adam else _sgd_delta
+
 
 _UNSUPPORTED = {"maximize": False, "amsgrad": False, "capturable": False, "differentiable": False, "fused": None}
 

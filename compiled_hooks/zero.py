@@ -16,20 +16,25 @@ first up to 1 MB), one ``hook`` call per bucket, so a step issues about as many 
 DDP plus one broadcast per rank per bucket:
 
 - ``shard_buckets=False``: whole parameters, assigned greedily by size (largest first, ties in
-  gradient-ready order) to the least-loaded rank. Each rank holds flat state buffers of the
-  largest rank's load; a parameter's state sits at the same offset on every rank (in its
-  owner's buffer). A bucket is laid out owner-major: row r holds the gradients of the members
-  rank r owns, every row padded to the longest (the hooks close a full bucket where its rows
-  are nearly equal, see :class:`ZeroStep`). Every rank reads its own row of the averaged bucket,
-  computes the update of every member from it (right on the member's owner; elsewhere thrown
-  away: the state is kept only where ``owner == rank``, a ``torch.where`` on the rank), and
-  every rank's own row of new values is broadcast from that rank::
+  gradient-ready order) to the least-loaded rank. A bucket is laid out owner-major: row r holds
+  the gradients of the members rank r owns, every row padded to the longest (the hooks close a
+  full bucket where its rows are nearly equal, see :class:`ZeroStep`); each rank reads its own
+  row of the averaged bucket. Where the optimizer reads the parameter only as
+  ``param * decay - delta`` (AdamW; Adam and SGD without weight decay) and the bucket's rows
+  are balanced, the state is laid out by the hooks' buckets (:meth:`ZeroOptimizer.plan_buckets`:
+  each bucket's run of state holds this rank's row, at the same offset on every rank), and the
+  optimizer compute is sharded: each rank computes ``delta`` for its own row only, every rank's
+  row of deltas is broadcast from that rank, and every rank applies them::
 
-      g = hook(owner_major(grads))[rank]               # one all_reduce (avg) per bucket, own row read
-      new_p, new_s = update(p, g, s[off:off+n], step)  # every rank; s written where owner == rank
-      p <- cat(broadcast(owner_major(new_p)[rank], src=r) for r)  # one per rank
+      g = hook(owner_major(grads))[rank]            # one all_reduce (avg) per bucket, own row read
+      d, s[run] = delta(g, s[run], step)            # this rank's row only
+      p <- p * decay - cat(broadcast(d, src=r) for r)[owner(p), place(p)]
 
-  Optimizer compute is thereby spent on every rank; optimizer *memory* is what is sharded.
+  Otherwise (Adam's or SGD's weight decay adds ``wd * param`` to the gradient; an unbalanced
+  bucket; buckets of eager DDP's C++ reducer) every rank computes the update of every member
+  from its row (right on the member's owner; elsewhere thrown away: the state, at the same
+  offset on every rank in its owner's buffer, is kept only where ``owner == rank``, a
+  ``torch.where`` on the rank), and every rank's own row of *new values* is broadcast.
   Reading only the own row lets ``passes`` reduce just that row: ``all_to_all_weight_update``
   (gloo) and ``shard_weight_update`` (NCCL) turn the all_reduce + broadcasts into an exchange
   that moves the bytes of one all_reduce.
@@ -62,10 +67,13 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from .group_rank import group_rank
-from .optim_math import UPDATES, hyperparameters, state_names, step_scalars
+from .optim_math import UPDATES, delta_rule, hyperparameters, state_names, step_scalars
 from .validation import positional_arity
 
 __all__ = ["ZeroOptimizer", "ZeroStep", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+# Whole parameters: how far a bucket's longest owner row may exceed an equal share (see ZeroStep)
+BALANCE_SLACK = 0.05
 
 
 def assign_whole_parameters(numels: list[int], world_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -145,6 +153,10 @@ class ZeroOptimizer:
             for j, i in enumerate(ready):
                 self.owner[i], self._offset[i] = owner[j], offset[j]
             self._buffers = {k: torch.zeros(max(load), dtype=params[0].dtype, device=device) for k in names}
+        # whole parameters, after plan_buckets: bucket members -> (state offset, row length, places)
+        self._rows: dict[tuple[int, ...], tuple[int, int, list[tuple[int, int]]]] = {}
+        self._bucket_of: dict[int, tuple[int, ...]] = {}
+        self._uniform_steps = True  # every planned bucket's members have one step count
 
     # -- the step --------------------------------------------------------------------------
     def index_of(self, param: torch.Tensor) -> int:
@@ -205,9 +217,49 @@ class ZeroOptimizer:
             parts += row + ([items[0][1].new_zeros(pad)] if pad else [])
         return torch.cat(parts), place
 
+    @torch.no_grad()
+    def plan_buckets(self, buckets: list[list[int]]) -> None:
+        """Whole parameters: lay the state out by the buckets the ZeRO hooks will reduce
+        (:meth:`ZeroStep.plan`). A bucket whose owner rows are within ``BALANCE_SLACK`` of equal
+        takes a run of its row length ``L`` in every rank's buffers, at the same offset on every
+        rank, holding that rank's row (its members at their places in the owner-major row): its
+        update then reads and writes the state as one slice and runs over this rank's row alone
+        (:meth:`update_bucket`). The other buckets' members follow, packed per owner as before
+        (their update is every member's on every rank). The buffers grow by the planned rows'
+        padding (0.9% on the benchmark's transformer). This rank's state moves along."""
+        if self.shard_buckets:
+            return
+        if sorted(i for b in buckets for i in b) != list(range(len(self.params))):
+            raise ValueError(f"ZeroOptimizer.plan_buckets: the buckets must hold every parameter once, got {buckets}")
+        offset, rows, start, packed = [0] * len(self.params), {}, 0, []
+        for members in buckets:
+            place, length = self._owner_rows([(i, self.params[i]) for i in members])
+            if self.world_size * length > (1 + BALANCE_SLACK) * sum(self.params[i].numel() for i in members):
+                packed += members
+                continue
+            for i, (_, at) in zip(members, place):
+                offset[i] = start + at
+            rows[tuple(members)] = (start, length, place)
+            start += length
+        end = [start] * self.world_size
+        for i in packed:
+            offset[i], end[self.owner[i]] = end[self.owner[i]], end[self.owner[i]] + self.params[i].numel()
+        moved = {k: torch.zeros(max(end), dtype=buf.dtype, device=buf.device) for k, buf in self._buffers.items()}
+        for i, p in enumerate(self.params):
+            if self.owner[i] == self.rank:
+                for k, buf in self._buffers.items():
+                    moved[k][offset[i]:offset[i] + p.numel()].copy_(buf[self._offset[i]:self._offset[i] + p.numel()])
+        self._buffers, self._offset, self._rows = moved, offset, rows
+        self._bucket_of = {i: key for key in rows for i in key}
+        self._uniform_steps = self._steps_uniform()
+
+    def _steps_uniform(self) -> bool:
+        steps = self._steps.tolist()
+        return all(len({steps[i] for i in key}) == 1 for key in self._rows)
+
     def reduce_bucket(self, hook: Callable[..., Any], state: Any, items: list[tuple[int, torch.Tensor]]):
         """Average a bucket of gradients ``[(i, grad)]`` with one ``hook(state, flat)`` call and
-        return ``[(i, g)]`` as :meth:`update_bucket` takes them, read from this rank's row of
+        return ``([(i, g)], row)`` as :meth:`update_bucket` takes them, read from this rank's row of
         the bucket only, so that ``passes`` may reduce just that row (``shard_weight_update``,
         ``all_to_all_weight_update``); ``grad`` keeps this rank's local gradient.
 
@@ -215,29 +267,44 @@ class ZeroOptimizer:
         owns, padded to the longest row); ``g`` is the member's averaged gradient on its owner
         (elsewhere it is not used: only owners' updates are kept). ``shard_buckets``: laid out
         rank-major, every member padded to ``world_size`` equal slices, so a rank's row holds
-        its slice of every member; ``g`` is this rank's slice."""
+        its slice of every member; ``g`` is this rank's slice. ``row``: whole parameters, this
+        rank's row of the averaged bucket (the ``g`` are views of it); ``None`` with
+        ``shard_buckets``."""
         if self.shard_buckets:
             flat = self._rank_major(items)
             hook(state, flat)
-            return list(zip((i for i, _ in items), self._own_slices(items, flat)))
+            return list(zip((i for i, _ in items), self._own_slices(items, flat))), None
         flat, place = self._owner_major(items)
         hook(state, flat)
         own = self._own_row(flat)
-        return [(i, own[at:at + g.numel()].view_as(g)) for (i, g), (_, at) in zip(items, place)]
+        return [(i, own[at:at + g.numel()].view_as(g)) for (i, g), (_, at) in zip(items, place)], own
 
     @torch.no_grad()
-    def update_bucket(self, items: list[tuple[int, torch.Tensor]]) -> None:
+    def update_bucket(self, items: list[tuple[int, torch.Tensor]], row: Optional[torch.Tensor] = None) -> None:
         """Apply the optimizer to a bucket of parameters ``[(i, averaged grad)]`` (with
         ``shard_buckets``, this rank's slices, as :meth:`reduce_bucket` gives them; whole
         parameters: the gradient need only be right on the parameter's owner) and make the
         results identical on every rank: every rank's row of new values (owner-major for whole
         parameters, rank-major with ``shard_buckets``) broadcast from that rank. Traceable; the
-        same graph on every rank."""
+        same graph on every rank.
+
+        Whole parameters, given ``row`` (this rank's row of a bucket laid out by
+        :meth:`plan_buckets`), where the optimizer reads the parameter only through
+        ``param * decay - delta`` (:func:`~compiled_hooks.optim_math.delta_rule`: AdamW, Adam
+        and SGD without weight decay) and the bucket's members share one step count: each rank
+        computes ``delta`` over its own row only, and every rank applies the broadcast rows to
+        its parameters. Otherwise every rank computes the update of every member and keeps the
+        state of those it owns."""
         rule, rank = UPDATES[self.optimizer_class], self._rank()
         index = torch.tensor([i for i, _ in items], device=self._device)
         steps = self._steps[index] + 1
         self._steps.index_put_((index,), steps)
         scalars = step_scalars(self.hp, steps)  # once per bucket: see step_scalars
+        key = tuple(i for i, _ in items)
+        delta = delta_rule(self.optimizer_class, self.hp)
+        self._note_stepped(key)
+        if row is not None and delta is not None and key in self._rows and self._uniform_steps:
+            return self._update_own_row(key, row, scalars[0], *delta)
         new_values = []
         for (i, g), step in zip(items, scalars.unbind(0)):
             p = self.params[i]
@@ -265,10 +332,48 @@ class ZeroOptimizer:
         members = [(i, new.view_as(self.params[i])) for (i, _), new in zip(items, new_values)]
         flat, place = self._owner_major(members)
         own = self._own_row(flat, rank)
+        self._apply_rows(members, place, own, lambda p, new: new)
+
+    def _update_own_row(self, key: tuple[int, ...], row: torch.Tensor, step: torch.Tensor, decay: float,
+                        delta: Callable[..., Any]) -> None:
+        """The sharded update of a planned bucket (see :meth:`update_bucket`)::
+
+            d, s[start:start+L] = delta(row, s[start:start+L], step)   # this rank's row only
+            p <- p * decay - cat(broadcast(d, src=r) for r)[owner(p), place(p)]
+        """
+        start, length, place = self._rows[key]
+        dtype = self.params[key[0]].dtype
+        state = {k: buf[start:start + length] for k, buf in self._buffers.items()}
+        d, new_state = delta(row.to(dtype), state, step, self.hp)
+        traced = torch.compiler.is_compiling()
+        for k, buf in self._buffers.items():
+            if traced:  # an in-place write of the slice, as in _write_owned_state
+                buf.index_put_((torch.arange(start, start + length, device=self._device),), new_state[k])
+            else:
+                state[k].copy_(new_state[k])
+        members = [(i, self.params[i]) for i in key]
+        self._apply_rows(members, place, d, lambda p, new: p * decay - new if decay != 1 else p - new)
+
+    def _apply_rows(self, members: list[tuple[int, torch.Tensor]], place: list[tuple[int, int]], own: torch.Tensor,
+                    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Broadcast every rank's row ``own`` (owner-major, see :meth:`reduce_bucket`) from that
+        rank and write ``combine(param, its part of the rows)`` into each member."""
         rows = torch.cat([fcol.broadcast(own, src, self.process_group) for src in range(self.world_size)])
         rows = rows.view(self.world_size, -1)
-        for (i, new), (r, at) in zip(members, place):
-            self.params[i].copy_(rows[r, at:at + new.numel()].view_as(new))
+        for (i, t), (r, at) in zip(members, place):
+            p = self.params[i]
+            p.copy_(combine(p, rows[r, at:at + t.numel()].view_as(p)))
+
+    def _note_stepped(self, key: tuple[int, ...]) -> None:
+        """Whole parameters: the planned buckets' members keep one step count each as long as
+        every update covers whole planned buckets; an update of part of one ends that (the
+        sharded update then stays off, until :meth:`load_state_dict` or :meth:`plan_buckets`
+        finds the counts equal again)."""
+        if key in self._rows or not self._rows or not self._uniform_steps:
+            return
+        buckets = {self._bucket_of[i] for i in key if i in self._bucket_of}
+        if sum(len(b) for b in buckets) != len({i for i in key if i in self._bucket_of}):
+            self._uniform_steps = False
 
     def _write_owned_state(self, i: int, new_state: dict[str, torch.Tensor], owned: torch.Tensor) -> None:
         """Whole parameters: write parameter ``i``'s new state into this rank's flat buffers
@@ -372,6 +477,7 @@ class ZeroOptimizer:
                     t.copy_(self._own_slice(i, full))
                 elif self.owner[i] == self.rank:
                     t.copy_(full)
+        self._uniform_steps = self._steps_uniform()
 
 
 # -- the hooks -----------------------------------------------------------------------------
@@ -387,9 +493,8 @@ class ZeroStep:
     :meth:`ZeroOptimizer.reduce_bucket`), so the shorter rows' padding goes on the wire too. A
     full bucket therefore closes only where its rows are within ``BALANCE_SLACK`` of equal, or
     once it holds twice its cap (on the benchmark's transformer with 4 MB caps: 0.9% padding
-    instead of 17%; ownership, and with it the state bytes per rank, stays as assigned)."""
-
-    BALANCE_SLACK = 0.05
+    instead of 17%; ownership stays as assigned). Built, it lays the optimizer's state out by
+    the buckets it will make (:meth:`plan`, :meth:`ZeroOptimizer.plan_buckets`)."""
 
     def __init__(self, hook: Callable[..., Any], zero: ZeroOptimizer, interleaved: bool,
                  bucket_bytes: int = 25 * 1024 * 1024, first_bucket_bytes: int = 1024 * 1024):
@@ -397,20 +502,36 @@ class ZeroStep:
         self.caps = (first_bucket_bytes, bucket_bytes)
         self.current: list[tuple[int, torch.Tensor]] = []
         self.rows = [0] * zero.world_size  # the current bucket's bytes per owner (whole parameters)
-        self.reduced: list[list[tuple[int, torch.Tensor]]] = []  # buckets waiting for their update
+        self.reduced: list[tuple[list, Optional[torch.Tensor]]] = []  # buckets waiting for their update
         self.buckets = 0  # closed in this backward
         self.started = False  # a backward is in progress (the final callback is queued)
+        zero.plan_buckets(self.plan())
+
+    def plan(self) -> list[list[int]]:
+        """The buckets :meth:`add` makes when every parameter gets its gradient, in
+        gradient-ready order (the reverse of the parameters' order)."""
+        buckets, current, rows = [], [], [0] * self.zero.world_size
+        for i in reversed(range(len(self.zero.params))):
+            current.append(i)
+            if self._full(rows, i, self.zero.params[i], len(buckets)):
+                buckets.append(current)
+                current, rows = [], [0] * self.zero.world_size
+        return buckets + ([current] if current else [])
+
+    def _full(self, rows: list[int], i: int, grad: torch.Tensor, closed: int) -> bool:
+        """Count member ``i`` into ``rows`` (bytes per owner); whether the bucket is now full."""
+        zero = self.zero
+        if zero.shard_buckets:
+            rows[0] += zero.world_size * zero._chunks[i] * grad.element_size()
+        else:
+            rows[zero.owner[i]] += grad.numel() * grad.element_size()
+        size, cap = sum(rows), self.caps[min(closed, 1)]
+        balanced = zero.shard_buckets or zero.world_size * max(rows) <= (1 + BALANCE_SLACK) * size
+        return size >= cap and (balanced or size >= 2 * cap)
 
     def add(self, state: Any, i: int, grad: torch.Tensor) -> None:
         self.current.append((i, grad))
-        zero = self.zero
-        if zero.shard_buckets:
-            self.rows[0] += zero.world_size * zero._chunks[i] * grad.element_size()
-        else:
-            self.rows[zero.owner[i]] += grad.numel() * grad.element_size()
-        size, cap = sum(self.rows), self.caps[min(self.buckets, 1)]
-        balanced = zero.shard_buckets or zero.world_size * max(self.rows) <= (1 + self.BALANCE_SLACK) * size
-        if size >= cap and (balanced or size >= 2 * cap):
+        if self._full(self.rows, i, grad, self.buckets):
             self.close(state)
 
     def close(self, state: Any, items: Optional[list] = None, averaged: bool = False) -> None:
@@ -421,18 +542,19 @@ class ZeroStep:
         if not items:
             return
         self.buckets += 1
+        row = None
         if not averaged:
-            items = self.zero.reduce_bucket(self.hook, state, items)
+            items, row = self.zero.reduce_bucket(self.hook, state, items)
         if self.interleaved:
-            self.zero.update_bucket(items)
+            self.zero.update_bucket(items, row)
         else:
-            self.reduced.append(items)
+            self.reduced.append((items, row))
 
     def finish(self, state: Any) -> None:
         """End of backward: reduce what is left, then run the updates still waiting."""
         self.close(state)
-        for items in self.reduced:
-            self.zero.update_bucket(items)
+        for items, row in self.reduced:
+            self.zero.update_bucket(items, row)
         self.reduced, self.buckets, self.started = [], 0, False
 
 

@@ -66,6 +66,8 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
     hook, _, state_cls = HOOKS[kind]
     state = state_cls(dist.group.WORLD)
     n = len(zero.params)
+    # built first: it lays out zero's state by its buckets (ZeroOptimizer.plan_buckets)
+    core = ZeroStep(hook, zero, interleaved, bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes)
     owned = zero._state if zero.shard_buckets else [zero._buffers]
 
     def fn(*args):
@@ -79,7 +81,6 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
         for d in owned:
             for k in d:
                 d[k] = flat_state.pop(0)
-        core = ZeroStep(hook, zero, interleaved, bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes)
         for i in reversed(range(n)):
             core.add(state, i, torch.sin(grads[i]))  # the gradient's last backward op
         core.finish(state)

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import compiled_hooks as ch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 import passes
+from compiled_hooks.optim_math import delta_rule
 from compiled_hooks.zero import (ZeroOptimizer, ZeroStep, assign_whole_parameters, hook_with_zero_step,
                                   hook_with_zero_step_interleaved)
 from tests.ranks import run_ranks
@@ -21,6 +22,9 @@ OPTIMIZERS = {
     "sgd_momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
     "adam": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.01)),
     "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    # the update reads the parameter only as param - delta: the sharded update (own row only)
+    "adam_no_wd": (torch.optim.Adam, dict(lr=0.01)),
+    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
 }
 SCHEDULES = {"after_backward": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 
@@ -32,6 +36,17 @@ def _net():
                                torch.nn.Linear(17, 3))
 
 
+def _even_net():
+    """Sizes whose ZeRO bucket (DDP's 0.001 MB cap) has owner rows within 5% of equal on 2 and 4
+    ranks, so it is laid out for the sharded update (``ZeroOptimizer.plan_buckets``)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(12, 9)] + [m for _ in range(3) for m in (torch.nn.Tanh(), torch.nn.Linear(9, 9))]
+    return torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(9, 3, bias=False))
+
+
+NETS = {"uneven": _net, "even": _even_net}
+
+
 def _batch(rank, step):
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(6, 12, generator=g), torch.randn(6, 3, generator=g)
@@ -41,9 +56,9 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def reference(world_size, opt_name):
+def reference(world_size, opt_name, net="uneven"):
     """Parameters after each step of the unsharded optimizer on the mean of the ranks' gradients."""
-    net = _net()
+    net = NETS[net]()
     cls, kw = OPTIMIZERS[opt_name]
     opt = cls(net.parameters(), foreach=False, **kw)
     history = []
@@ -56,14 +71,14 @@ def reference(world_size, opt_name):
     return history, opt.state_dict()
 
 
-def zero_worker(rank, world_size, configs, compiler=None):
+def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", python_reducer=False):
     """For each (optimizer, schedule, shard_buckets): parameters after each step, state bytes,
     and when compiled (``compiler``: "aot_eager", or "inductor" with the default pipeline and
     shard_weight_update forced on gloo for shard_buckets) the code of every graph Dynamo captured, the graph breaks
-    and what the passes did."""
+    and what the passes did. Eager: DDP's C++ reducer, or its python reducer."""
     compiled = compiler is not None
+    torch._dynamo.config.optimize_ddp = "python_reducer" if compiled or python_reducer else True
     if compiled:
-        torch._dynamo.config.optimize_ddp = "python_reducer"
         compile_fn = torch._dynamo.lookup_backend(compiler)
         # a cache hit would skip the passes, whose counters the tests read
         torch._inductor.config.fx_graph_cache = False
@@ -77,7 +92,7 @@ def zero_worker(rank, world_size, configs, compiler=None):
         def backend(gm, example_inputs):
             codes.append(gm.code)
             return compile_fn(gm, example_inputs)
-        net = _net()
+        net = NETS[net_name]()
         cls, kw = OPTIMIZERS[opt_name]
         zero = ZeroOptimizer(net.parameters(), cls, shard_buckets=shard, **kw)
         ddp = DDP(net, bucket_cap_mb=0.001)  # several buckets in eager mode
@@ -99,23 +114,27 @@ def zero_worker(rank, world_size, configs, compiler=None):
                     _loss(model, *_batch(rank, step)).backward()
                 history.append([p.detach().clone() for p in net.parameters()])
         state_dict = zero.state_dict()
-        restored = ZeroOptimizer(_net().parameters(), cls, shard_buckets=shard, **kw)
+        restored = ZeroOptimizer(NETS[net_name]().parameters(), cls, shard_buckets=shard, **kw)
         restored.load_state_dict(state_dict)
         out[(opt_name, schedule, shard)] = dict(
             history=history, state_bytes=zero.state_bytes(), state_dict=state_dict,
             restored=restored.state_dict(),
             total=sum(p.numel() for p in net.parameters()), largest=max(p.numel() for p in net.parameters()),
             codes=codes, breaks=dict(torch._dynamo.utils.counters["graph_break"]),
+            # parameters in buckets updated over this rank's row only (plan_buckets, delta_rule)
+            own_row_params=sum(map(len, zero._rows)) if zero._uniform_steps and delta_rule(cls, zero.hp) else 0,
+            buckets=len(zero._rows),
             passes=dict(torch._dynamo.utils.counters["passes"]),
         )
     return out
 
 
-ALL = list(itertools.product(OPTIMIZERS, SCHEDULES, (False, True)))
+ALL = list(itertools.product(["sgd_momentum", "adam", "adamw"], SCHEDULES, (False, True)))
+OWN_ROW = list(itertools.product(["adamw", "adam_no_wd", "sgd_nesterov"], SCHEDULES, [False]))
 
 
-def check(outcomes, world_size):
-    refs = {name: reference(world_size, name) for name in OPTIMIZERS}
+def check(outcomes, world_size, net="uneven"):
+    refs = {name: reference(world_size, name, net) for name in {key[0] for key in outcomes[0]}}
     for key in outcomes[0]:
         ref_history, ref_state = refs[key[0]]
         for rank, out in enumerate(outcomes):
@@ -126,7 +145,7 @@ def check(outcomes, world_size):
                     # bitwise identical across ranks
                     assert torch.equal(a, outcomes[0][key]["history"][step][i]), (key, rank, step, i)
             # parameters change from the very first step
-            assert not any(torch.equal(a, b) for a, b in zip(got["history"][0], _net().parameters())), key
+            assert not any(torch.equal(a, b) for a, b in zip(got["history"][0], NETS[net]().parameters())), key
             # consolidated state equals torch's
             for i, st in ref_state["state"].items():
                 for k, v in st.items():
@@ -159,6 +178,22 @@ def test_compiled_ddp_matches_unsharded_optimizer(world_size):
         assert len(backward) == 1 and "all_reduce" in backward[0], (key, len(got["codes"]))
         # rank-independent: every rank traced the very same graphs
         assert all(out[key]["codes"] == got["codes"] for out in outcomes), key
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_sharded_update_matches_unsharded_optimizer(world_size, compiled):
+    """Whole parameters, buckets laid out for the sharded update (each rank computes its own
+    row's update only, every rank applies the broadcast rows): the python reducer's ZeRO
+    hooks, eager and compiled (aot_eager), against torch's optimizer."""
+    outcomes = run_ranks(zero_worker, world_size, OWN_ROW, "aot_eager" if compiled else None, "even", True,
+                         timeout=600)
+    check(outcomes, world_size, "even")
+    for key, got in outcomes[0].items():
+        n = sum(1 for _ in _even_net().parameters())
+        assert got["own_row_params"] == n and got["buckets"] == 1, (key, got["buckets"])
+        if compiled:
+            assert got["breaks"] == {} and len([c for c in got["codes"] if "broadcast" in c]) == 1, key
 
 
 def test_whole_parameter_assignment_is_balanced():
@@ -196,13 +231,44 @@ def test_traced_whole_parameter_step_writes_each_state_in_place_and_bias_terms_o
     from passes.testing import trace
     from tests.graphs import zero_optimizer, zero_step_fn
 
-    zero = zero_optimizer(2, [(8,), (4, 4), (16,), (3,)], torch.optim.Adam)
+    # Adam's weight decay reads the parameter inside the update: every rank updates every member
+    zero = zero_optimizer(2, [(8,), (4, 4), (16,), (3,)], torch.optim.Adam, weight_decay=0.01)
     fn, args = zero_step_fn(zero, "fp32", interleaved=True, bucket_bytes=10**6)  # one bucket
     gm = trace(fn, *args(), world_size=2)
     ops = Counter(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function")
     assert not [op for op in ops if "scatter" in op or op.startswith("pow")], ops
     assert ops["index_put.default"] == 4 * 2 + 1, ops  # 4 members x (exp_avg, exp_avg_sq), the step counts
     assert ops["exp.default"] == 2, ops  # beta1**t and beta2**t, for the whole bucket
+
+
+@pytest.mark.parametrize("optimizer, kw", [(torch.optim.AdamW, dict(weight_decay=0.1)),
+                                           (torch.optim.SGD, dict(momentum=0.9))])
+def test_traced_whole_parameter_step_computes_only_this_ranks_row(optimizer, kw):
+    """Where the update reads the parameter only as ``param * decay - delta`` (AdamW; Adam and
+    SGD without weight decay), a rank computes ``delta`` over its own row of the bucket alone:
+    the update's arithmetic runs over the row length, not over every member, and the state is
+    read and written as one slice per bucket (plan_buckets laid it out by the buckets)."""
+    from collections import Counter
+
+    from passes.testing import trace
+    from tests.graphs import zero_optimizer, zero_step_fn
+
+    shapes = [(8,), (4, 4), (16,), (3,), (6,)]
+    zero = zero_optimizer(2, shapes, optimizer, **kw)
+    fn, args = zero_step_fn(zero, "fp32", interleaved=False, bucket_bytes=10**6)  # one bucket
+    (start, length, _), = zero._rows.values()
+    assert (start, length) == (0, 25)  # rows 16 + 8 + ... of the 49 elements: the longer row
+    assert zero.state_bytes() == 4 * 25 * len(zero._buffers) + 8 * len(shapes)
+    gm = trace(fn, *args(), world_size=2)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    ops = Counter(getattr(n.target, "__name__", str(n.target)) for n in nodes)
+    assert ops["index_put.default"] == len(zero._buffers) + 1, ops  # one slice per state, the step counts
+    # the update: the arithmetic between reading the own row and broadcasting, over the row only
+    # (the step scalars are one per member); before, every member's update, at its own size
+    names = [getattr(n.target, "__name__", "") for n in nodes]
+    update = nodes[names.index("index.Tensor"):names.index("broadcast.default")]
+    sizes = {n.meta["val"].numel() for n in update if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor)}
+    assert max(sizes) == length and sizes <= {length, 1, len(shapes)}, sizes
 
 
 def test_inductor_with_the_passes_matches_unsharded_optimizer():
@@ -286,3 +352,61 @@ def test_seed_style_hooks_train_like_the_unsharded_optimizer():
                 atol = 1e-4 * b.abs().max().item() if fp16 else 1e-7  # fp16: relative to the largest element
                 torch.testing.assert_close(a, b, rtol=0 if fp16 else 1e-6, atol=atol, msg=f"{key} step {step} param {i}")
                 assert torch.equal(a, outcomes[1][key][0][step][i]), (key, step, i)  # ranks agree bitwise
+
+
+def partial_step_worker(rank, world_size, compiled):
+    """AdamW through the python reducer's ZeRO hook (the sharded update of each bucket's own
+    row), with one parameter stepped alone after two steps (``zero.update``), against torch's
+    AdamW doing the same; parameters after every step."""
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    torch._dynamo.reset()
+    cls, kw = OPTIMIZERS["adamw"]
+    runs = []
+    for sharded in (True, False):
+        net = _even_net()
+        ddp = DDP(net, bucket_cap_mb=0.001)
+        model = torch.compile(ddp, backend="aot_eager") if compiled and sharded else ddp
+        if sharded:
+            opt = ZeroOptimizer(net.parameters(), cls, **kw)
+            ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), hook_with_zero_step(ch.allreduce_hook, ddp, opt))
+            assert [len(key) for key in opt._rows] == [9], opt._rows  # one bucket, planned
+        else:
+            opt = cls(net.parameters(), foreach=False, **kw)
+        history, uniform = [], []
+        for step in range(4):
+            if step == 2:  # the first layer's bias alone: its step count runs ahead of its bucket's
+                bias = net[0].bias
+                grad = torch.linspace(-1, 1, bias.numel())
+                if sharded:
+                    opt.update(1, grad)
+                    uniform.append(opt._uniform_steps)
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    bias.grad = grad
+                    opt.step()
+            opt.zero_grad()
+            if compiled and sharded:
+                with ch.compiled_autograd(backend="aot_eager"):
+                    _loss(model, *_batch(rank, step)).backward()
+            else:
+                _loss(model, *_batch(rank, step)).backward()
+            if not sharded:
+                opt.step()
+            history.append([p.detach().clone() for p in net.parameters()])
+        runs.append((history, uniform))
+    return runs
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_sharded_update_falls_back_where_a_bucket_steps_unevenly(compiled):
+    """The sharded update reads one step count per bucket; once one member steps alone
+    (``update`` of one parameter), its bucket's members no longer share it, and every later
+    update (in a compiled backward too: the traced choice is guarded) computes every member's
+    update again, as torch's AdamW does."""
+    outcomes = run_ranks(partial_step_worker, 2, compiled, timeout=300)
+    for rank, ((zero_run, uniform), (plain_run, _)) in enumerate(outcomes):
+        assert uniform == [False], uniform
+        for step, (got, ref) in enumerate(zip(zero_run, plain_run)):
+            for i, (a, b) in enumerate(zip(got, ref)):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"rank {rank} step {step} param {i}")
+                assert torch.equal(a, outcomes[0][0][0][step][i]), (rank, step, i)

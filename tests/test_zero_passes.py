@@ -343,6 +343,20 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
             check_rewrite(PASS_A2A, before, gm.graph)
             self.assertFalse(all_to_all_weight_update(gm.graph, **FAKE))  # idempotent
 
+    def test_own_row_update_counts_and_numerics(self):
+        """The sharded update (AdamW, one bucket whose rows balance: each rank computes its own
+        row's deltas, the rows of deltas are broadcast): rewritten like the update of every
+        member, with the values the simulated collectives give unchanged, fp32 and bf16 wires."""
+        for kind, interleaved in [("fp32", True), ("bf16", False)]:
+            gm = traced_step(2, shapes=((8,), (4, 4), (16,), (3,), (6,)), kind=kind, interleaved=interleaved,
+                             optimizer=torch.optim.AdamW, bucket_bytes=1 << 20, weight_decay=0.1)
+            self.assertFalse(any(n.target is torch.ops.aten.where.self for n in gm.graph.nodes))  # no owner select
+            before = copy_graph(gm.graph)
+            self.assertEqual(counts(gm), (1, 2, 0, 0, 0))
+            self.assertTrue(all_to_all_weight_update(gm.graph, **FAKE))
+            self.assertEqual(counts(gm), (0, 0, 1, 1, 0))
+            check_rewrite(PASS_A2A, before, gm.graph)
+
     def test_leaves_alone_a_backend_not_listed_and_an_index_not_this_rank(self):
         self.assertUntouched(traced_step(shapes=((3,),)), all_to_all_weight_update, "backend fake")
 
