@@ -1,4 +1,4 @@
-"""Why ZeRO's whole-parameter step computes every update on every rank: compiled AdamW over the
+"""How a rank can update only its half in ZeRO's whole-parameter step: compiled AdamW over the
 benchmark transformer's 3.2M parameters (52 tensors), as one update, against the
 rank-independent ways of updating only this rank's half.
 
@@ -6,7 +6,7 @@ rank-independent ways of updating only this rank's half.
 
 One process, one thread, each variant compiled with Inductor, medians of 12 calls:
 
-- all: the whole flat update (what every rank computes today);
+- all: the whole flat update (what every rank computes where the sharded update does not apply);
 - gather: this rank's elements through an index table read at run time (``flat[table[rank]]``
   and ``index_put_`` back), so the graph is the same on every rank;
 - window: a contiguous window at a run-time offset (``flat[start + arange(L)]``, masked);
@@ -18,6 +18,11 @@ One process, one thread, each variant compiled with Inductor, medians of 12 call
   place at a static offset, its new values written into the row;
 - owner-major row: the bucket laid out as ``[world, L]`` rows and this rank's row selected
   with ``index_select(0, rank)``, the ``cat`` of the parameters included;
+- own row, deltas (what ``compiled_hooks.zero`` runs where the update reads the parameter only
+  as ``param * decay - delta``, AdamW included): ``delta`` over this rank's row, its state one
+  slice at a fixed offset (the state laid out by the buckets), no parameter read; and the same
+  plus applying both ranks' rows of deltas to every parameter (``p * decay - d``), the part of
+  the write-back that reads the parameters;
 - and torch's eager foreach AdamW over the same tensors, for scale.
 """
 
@@ -31,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from compiled_hooks.optim_math import UPDATES, step_scalars  # noqa: E402
+from compiled_hooks.optim_math import UPDATES, delta_rule, step_scalars  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 RULE = UPDATES[torch.optim.AdamW]
@@ -117,6 +122,18 @@ def main() -> None:
             row.index_put_((torch.arange(at, at + k),), new)
         return row
 
+    decay, delta = delta_rule(torch.optim.AdamW, HP)
+
+    def update_own_row(g, m, v, steps):
+        d, state = delta(g[:half], {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, step_scalars(HP, steps)[0], HP)
+        m[:half].copy_(state["exp_avg"])
+        v[:half].copy_(state["exp_avg_sq"])
+        return d
+
+    def update_own_row_and_apply(p, g, m, v, steps, other):
+        d = update_own_row(g, m, v, steps)
+        p.copy_(p * decay - torch.cat([d, other]))
+
     def update_row(params, g, m, v, steps, rank):
         row = torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
         grad = g.view(2, half).index_select(0, rank).view(-1)
@@ -130,7 +147,7 @@ def main() -> None:
     for p in torch_opt.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
     rows = [
-        ("all (every rank today)", n, torch.compile(update_all), (flat_p, g, m, v, steps)),
+        ("all (every rank, every member: the fallback)", n, torch.compile(update_all), (flat_p, g, m, v, steps)),
         ("gather through an index table", half, torch.compile(update_gather),
          (params, g, m, v, steps, table, member_of, rank)),
         ("window at a run-time offset", half, torch.compile(update_window),
@@ -139,6 +156,9 @@ def main() -> None:
          (params, g, m, v, steps, torch.tensor(1000), rank)),
         ("per-member unbacked sizes", half, torch.compile(update_members), (params, g, m, v, steps, rank)),
         ("owner-major row (index_select)", half, torch.compile(update_row), (params, g, m, v, steps, rank)),
+        ("own row, deltas (state slice at a fixed offset)", half, torch.compile(update_own_row), (g, m, v, steps)),
+        ("own row, deltas + both rows applied to every parameter", n, torch.compile(update_own_row_and_apply),
+         (flat_p, g, m, v, steps, torch.randn(n - half))),
         ("torch AdamW, eager foreach", n, torch_opt.step, ()),
     ]
     print(f"AdamW, {members} tensors, {n / 1e6:.1f}M parameters, 1 thread, torch {torch.__version__}, "

@@ -483,65 +483,64 @@ class ZeroOptimizer:
 # -- the hooks -----------------------------------------------------------------------------
 
 class ZeroStep:
-    """The DDP-independent core of the ZeRO hooks. Gradients arrive one by one (:meth:`add`, in
-    gradient-ready order) and are packed into buckets of ``bucket_bytes`` (the first of
-    ``first_bucket_bytes``, as DDP does); a full bucket is averaged with one ``hook`` call, then
-    updated and broadcast at once (``interleaved``) or after the last one (:meth:`finish`).
-    Bucket boundaries depend only on sizes, owners and order, so every rank makes the same ones.
+    """The DDP-independent core of the ZeRO hooks. Buckets are planned when it is built
+    (:meth:`plan`): parameters in reverse order (DDP's guess at gradient-ready order) packed up
+    to ``bucket_bytes`` (the first up to ``first_bucket_bytes``, as DDP does). Gradients arrive
+    one by one (:meth:`add`); a planned bucket closes once all its members have arrived (and the
+    buckets before it have closed), so a gradient that comes a little out of the guessed order
+    delays its bucket instead of changing it. A closed bucket is averaged with one ``hook``
+    call, then updated and broadcast at once (``interleaved``) or after the last one
+    (:meth:`finish`, which also closes what is left of buckets whose members did not all
+    arrive). Buckets depend only on sizes, owners and the plan, so every rank makes the same ones.
 
     With whole parameters a bucket is exchanged as rows of equal length, one per owner (see
     :meth:`ZeroOptimizer.reduce_bucket`), so the shorter rows' padding goes on the wire too. A
     full bucket therefore closes only where its rows are within ``BALANCE_SLACK`` of equal, or
     once it holds twice its cap (on the benchmark's transformer with 4 MB caps: 0.9% padding
-    instead of 17%; ownership stays as assigned). Built, it lays the optimizer's state out by
-    the buckets it will make (:meth:`plan`, :meth:`ZeroOptimizer.plan_buckets`)."""
+    instead of 17%; ownership stays as assigned). The optimizer's state is laid out by the
+    planned buckets (:meth:`ZeroOptimizer.plan_buckets`)."""
 
     def __init__(self, hook: Callable[..., Any], zero: ZeroOptimizer, interleaved: bool,
                  bucket_bytes: int = 25 * 1024 * 1024, first_bucket_bytes: int = 1024 * 1024):
         self.hook, self.zero, self.interleaved = hook, zero, interleaved
         self.caps = (first_bucket_bytes, bucket_bytes)
-        self.current: list[tuple[int, torch.Tensor]] = []
-        self.rows = [0] * zero.world_size  # the current bucket's bytes per owner (whole parameters)
+        self.planned = self.plan()
+        self.arrived: dict[int, torch.Tensor] = {}  # this backward's gradients not yet in a closed bucket
+        self.next = 0  # the first planned bucket not closed in this backward
         self.reduced: list[tuple[list, Optional[torch.Tensor]]] = []  # buckets waiting for their update
-        self.buckets = 0  # closed in this backward
         self.started = False  # a backward is in progress (the final callback is queued)
-        zero.plan_buckets(self.plan())
+        zero.plan_buckets(self.planned)
 
     def plan(self) -> list[list[int]]:
-        """The buckets :meth:`add` makes when every parameter gets its gradient, in
-        gradient-ready order (the reverse of the parameters' order)."""
-        buckets, current, rows = [], [], [0] * self.zero.world_size
-        for i in reversed(range(len(self.zero.params))):
+        """The buckets, each in the order its members are laid out: parameters in reverse order,
+        a bucket closed where it holds its cap and its owner rows balance (see above)."""
+        zero, buckets, current = self.zero, [], []
+        rows = [0] * zero.world_size  # bytes per owner (shard_buckets: all in rows[0])
+        for i in reversed(range(len(zero.params))):
             current.append(i)
-            if self._full(rows, i, self.zero.params[i], len(buckets)):
+            p = zero.params[i]
+            if zero.shard_buckets:
+                rows[0] += zero.world_size * zero._chunks[i] * p.element_size()
+            else:
+                rows[zero.owner[i]] += p.numel() * p.element_size()
+            size, cap = sum(rows), self.caps[min(len(buckets), 1)]
+            balanced = zero.shard_buckets or zero.world_size * max(rows) <= (1 + BALANCE_SLACK) * size
+            if size >= cap and (balanced or size >= 2 * cap):
                 buckets.append(current)
-                current, rows = [], [0] * self.zero.world_size
+                current, rows = [], [0] * zero.world_size
         return buckets + ([current] if current else [])
 
-    def _full(self, rows: list[int], i: int, grad: torch.Tensor, closed: int) -> bool:
-        """Count member ``i`` into ``rows`` (bytes per owner); whether the bucket is now full."""
-        zero = self.zero
-        if zero.shard_buckets:
-            rows[0] += zero.world_size * zero._chunks[i] * grad.element_size()
-        else:
-            rows[zero.owner[i]] += grad.numel() * grad.element_size()
-        size, cap = sum(rows), self.caps[min(closed, 1)]
-        balanced = zero.shard_buckets or zero.world_size * max(rows) <= (1 + BALANCE_SLACK) * size
-        return size >= cap and (balanced or size >= 2 * cap)
-
     def add(self, state: Any, i: int, grad: torch.Tensor) -> None:
-        self.current.append((i, grad))
-        if self._full(self.rows, i, grad, self.buckets):
-            self.close(state)
+        self.arrived[i] = grad
+        while self.next < len(self.planned) and all(j in self.arrived for j in self.planned[self.next]):
+            self.next += 1
+            self.close(state, [(j, self.arrived.pop(j)) for j in self.planned[self.next - 1]])
 
-    def close(self, state: Any, items: Optional[list] = None, averaged: bool = False) -> None:
-        """Reduce the current bucket (or ``items``; ``averaged``: whole gradients that were
-        already averaged) and update it now (interleaved) or keep it for :meth:`finish`."""
-        if items is None:
-            items, self.current, self.rows = self.current, [], [0] * self.zero.world_size
+    def close(self, state: Any, items: list[tuple[int, torch.Tensor]], averaged: bool = False) -> None:
+        """Reduce the bucket ``items`` (``averaged``: whole gradients that were already
+        averaged) and update it now (interleaved) or keep it for :meth:`finish`."""
         if not items:
             return
-        self.buckets += 1
         row = None
         if not averaged:
             items, row = self.zero.reduce_bucket(self.hook, state, items)
@@ -551,11 +550,13 @@ class ZeroStep:
             self.reduced.append((items, row))
 
     def finish(self, state: Any) -> None:
-        """End of backward: reduce what is left, then run the updates still waiting."""
-        self.close(state)
+        """End of backward: reduce what arrived of the buckets still open, then run the updates
+        still waiting."""
+        for members in self.planned[self.next:]:
+            self.close(state, [(j, self.arrived.pop(j)) for j in members if j in self.arrived])
         for items, row in self.reduced:
             self.zero.update_bucket(items, row)
-        self.reduced, self.buckets, self.started = [], 0, False
+        self.reduced, self.arrived, self.next, self.started = [], {}, 0, False
 
 
 def _hook_kind(name: str, hook: Any, python_reducer: bool, shard_buckets: bool) -> tuple[Callable[..., Any], bool]:

@@ -208,15 +208,32 @@ def test_whole_parameter_buckets_close_where_owner_rows_balance():
     rows go on the wire padded to the longest), or at twice its cap. Caps of 16 bytes."""
     from tests.graphs import zero_optimizer
 
-    zero = zero_optimizer(2, [(4,), (2,), (2,), (3,), (3,), (4,), (4,)], torch.optim.SGD)
-    zero.owner = [0, 1, 1, 0, 1, 0, 0]  # in the order added below
-    sizes = []
-    core = ZeroStep(lambda state, flat: sizes.append(flat.numel()), zero, interleaved=False,
-                    bucket_bytes=16, first_bucket_bytes=16)
-    for i, p in enumerate(zero.params):
-        core.add(None, i, torch.ones_like(p))
-    # rows 4 | 2+2 (the old rule closed after the first 4), 3 | 3, then 4+4 | - at twice the cap
-    assert sizes == [2 * 4, 2 * 3, 2 * 8], sizes
+    zero = zero_optimizer(2, [(4,), (4,), (3,), (3,), (2,), (2,), (4,)], torch.optim.SGD)
+    zero.owner = [0, 0, 1, 0, 1, 1, 0]
+    core = ZeroStep(None, zero, interleaved=False, bucket_bytes=16, first_bucket_bytes=16)
+    # in gradient-ready order (6 first): rows 4 | 2+2 (the old rule closed after the first 4),
+    # 3 | 3, then 4+4 | - at twice the cap
+    assert core.planned == [[6, 5, 4], [3, 2], [1, 0]], core.planned
+
+
+def test_a_gradient_out_of_the_planned_order_delays_its_bucket():
+    """Buckets are planned in reverse parameter order; a gradient that arrives earlier or later
+    than that joins its planned bucket, which closes once all its members are in, in order."""
+    from tests.graphs import zero_optimizer
+
+    zero = zero_optimizer(2, [(4,), (4,), (3,), (3,), (2,), (2,), (4,)], torch.optim.SGD)
+    zero.owner = [0, 0, 1, 0, 1, 1, 0]
+    closed = []
+    core = ZeroStep(lambda state, flat: closed.append(flat.numel()), zero, interleaved=False, bucket_bytes=16,
+                    first_bucket_bytes=16)
+    for i in [6, 5, 3, 2]:  # 3 and 2 (the second bucket) before 4: nothing closes yet
+        core.add(None, i, torch.ones_like(zero.params[i]))
+    assert closed == []
+    core.add(None, 4, torch.ones_like(zero.params[4]))
+    assert closed == [2 * 4, 2 * 3]  # both, in plan order
+    core.add(None, 1, torch.ones_like(zero.params[1]))
+    core.finish(None)  # parameter 0 got no gradient: what arrived of its bucket closes at the end
+    assert closed == [2 * 4, 2 * 3, 2 * 4] and core.next == 0 and not core.arrived
 
 
 def test_traced_whole_parameter_step_writes_each_state_in_place_and_bias_terms_once():
@@ -282,11 +299,11 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
     check(outcomes, 2)
     for out in outcomes:
         sharded, whole = out[configs[0]]["passes"], out[configs[1]]["passes"]
-        # DDP's 0.001 MB buckets: 3 buckets of the 6 parameters
-        assert sharded.get("shard_weight_update: all_reduce read in own slice -> reduce_scatter") == 3, sharded
-        assert sharded.get("shard_weight_update: owner broadcasts -> all_gather") == 3, sharded
         print("SUMMARY inductor ZeRO pass counters:", sharded, whole)
-        assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 3, sharded
+        # DDP's 0.001 MB cap: the hooks plan 2 buckets of the 6 parameters (in reverse order)
+        assert sharded.get("shard_weight_update: all_reduce read in own slice -> reduce_scatter") == 2, sharded
+        assert sharded.get("shard_weight_update: owner broadcasts -> all_gather") == 2, sharded
+        assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 2, sharded
         # shard_buckets packs rank-major (a cat of [N, chunk] rows), which fuse_cat_prologue leaves alone
         assert sharded.get("fuse_cat_prologue: skipped: a member is not 1-D") == 2, sharded
         # whole parameters, on gloo by default: every bucket's exchange over all_to_all and all_gather
@@ -294,8 +311,10 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
         assert not any(k.startswith("shard_weight_update") for k in whole), whole
         assert whole.get("all_to_all_weight_update: all_reduce read in own row -> all_to_all") == 2, whole
         assert whole.get("all_to_all_weight_update: owner broadcasts -> all_gather") == 2, whole
+        # the write-back reads the gathered chunks, not a join of the rows: one read per parameter
+        assert whole.get("all_to_all_weight_update: row read from the gathered chunks") == 6, whole
         # gloo: every all_gather (several in flight) goes out as an all_to_all
-        assert sharded.get("all_gather_as_all_to_all: all_gather -> all_to_all") == 3, sharded
+        assert sharded.get("all_gather_as_all_to_all: all_gather -> all_to_all") == 2, sharded
         assert whole.get("all_gather_as_all_to_all: all_gather -> all_to_all", 0) >= 2, whole
         assert not any(k.startswith("all_gather_as_all_to_all: skipped") for k in {**sharded, **whole}), (sharded, whole)
 

@@ -306,7 +306,8 @@ class TestAllToAllWeightUpdate(PassTestCase):
         """Whole parameters, one bucket of 5 + 2 elements (owners 0 and 1: rows of 5, the
         second padded): the all_reduce read in this rank's row becomes two all_to_all chunks
         of at most 3 elements per destination, summed; the two owners' broadcasts two
-        all_gather chunks."""
+        all_gather chunks, which the write-back reads directly (the 2-element member from the
+        first chunk, the 5-element one from both, joined), with no join of the whole rows."""
         gm = traced_step(shapes=((5,), (2,)), interleaved=False, bucket_bytes=1 << 20)
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, all_to_all_weight_update, all_to_all_chunk_bytes=12, **FAKE)
@@ -323,11 +324,14 @@ update -> slice_tensor_5
 all_gather_into_tensor_default_1: f32[4] = c10d.all_gather_into_tensor(slice_tensor_5, 2, group(size=2))
 wait_tensor_default_2: f32[6] = c10d.wait_tensor(all_gather_into_tensor_default)
 wait_tensor_default_3: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_1)
-copy_: f32[5] = aten.copy_(arg2_1, select_copy_1)
-copy__1: f32[2] = aten.copy_(arg3_1, slice_copy_2)
+copy_: f32[5] = aten.copy_(arg2_1, cat_default_4)
+copy__1: f32[2] = aten.copy_(arg3_1, slice_tensor_6)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
         check_rewrite(PASS_A2A, before, gm.graph)
         self.assertEqual(counts(gm), (0, 0, 2, 2, 0))
+        joins = [n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default and n.args[1:] == (1,)]
+        self.assertEqual(joins, [])
+        self.assertEqual(counters["passes"][f"{PASS_A2A}: row read from the gathered chunks"], 2)
 
     def test_collective_counts_and_numerics(self):
         """Both ZeRO layouts, 2 and 4 ranks, fp32 and bf16 wires, one bucket per parameter
@@ -409,7 +413,7 @@ wait_tensor_default_3: f32[6] = c10d.wait_tensor(all_gather_into_tensor_default)
 wait_tensor_default_4: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_1)
 wait_tensor_default_5: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_2)
 copy_: f32[2] = aten.copy_(arg2_1, select_copy_1)
-copy__1: f32[5] = aten.copy_(arg3_1, select_copy)
+copy__1: f32[5] = aten.copy_(arg3_1, cat_default_5)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         gathers = [n for n in gm.graph.nodes if "all_gather" in str(n.target)]
         nodes = list(gm.graph.nodes)
@@ -455,12 +459,12 @@ all_to_all_single_default: f32[2, 3] = c10d.all_to_all_single(view_default, [1, 
 all_to_all_single_default_1: f32[2, 2] = c10d.all_to_all_single(view_default_1, [1, 1], [1, 1], group(size=2))
 wait_tensor_default: f32[2, 3] = c10d.wait_tensor(all_to_all_single_default)
 wait_tensor_default_1: f32[2, 2] = c10d.wait_tensor(all_to_all_single_default_1)
-all_to_all_single_default_2: f32[6] = c10d.all_to_all_single(cat_default_4, [3, 3], [3, 3], group(size=2))
-all_to_all_single_default_3: f32[4] = c10d.all_to_all_single(cat_default_5, [2, 2], [2, 2], group(size=2))
+all_to_all_single_default_2: f32[6] = c10d.all_to_all_single(cat_default_5, [3, 3], [3, 3], group(size=2))
+all_to_all_single_default_3: f32[4] = c10d.all_to_all_single(cat_default_6, [2, 2], [2, 2], group(size=2))
 wait_tensor_default_2: f32[6] = c10d.wait_tensor(all_to_all_single_default_2)
 wait_tensor_default_3: f32[4] = c10d.wait_tensor(all_to_all_single_default_3)
-copy_: f32[5] = aten.copy_(arg2_1, select_copy_1)
-copy__1: f32[2] = aten.copy_(arg3_1, slice_copy_2)
+copy_: f32[5] = aten.copy_(arg2_1, cat_default_4)
+copy__1: f32[2] = aten.copy_(arg3_1, slice_tensor_6)
 copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
         check_rewrite("all_gather_as_all_to_all", before, gm.graph)
         self.assertEqual(counters["passes"]["all_gather_as_all_to_all: all_gather -> all_to_all"], 2)
