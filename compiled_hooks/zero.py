@@ -304,7 +304,8 @@ class ZeroOptimizer:
         delta = delta_rule(self.optimizer_class, self.hp)
         self._note_stepped(key)
         if row is not None and delta is not None and key in self._rows and self._uniform_steps:
-            return self._update_own_row(key, row, scalars[0], *delta)
+            self._update_own_row(key, row, scalars[0], *delta)
+            return
         new_values = []
         for (i, g), step in zip(items, scalars.unbind(0)):
             p = self.params[i]
@@ -332,7 +333,7 @@ class ZeroOptimizer:
         members = [(i, new.view_as(self.params[i])) for (i, _), new in zip(items, new_values)]
         flat, place = self._owner_major(members)
         own = self._own_row(flat, rank)
-        self._apply_rows(members, place, own, lambda p, new: new)
+        self._apply_rows(key, place, own, lambda p, new: new)
 
     def _update_own_row(self, key: tuple[int, ...], row: torch.Tensor, step: torch.Tensor, decay: float,
                         delta: Callable[..., Any]) -> None:
@@ -351,18 +352,17 @@ class ZeroOptimizer:
                 buf.index_put_((torch.arange(start, start + length, device=self._device),), new_state[k])
             else:
                 state[k].copy_(new_state[k])
-        members = [(i, self.params[i]) for i in key]
-        self._apply_rows(members, place, d, lambda p, new: p * decay - new if decay != 1 else p - new)
+        self._apply_rows(key, place, d, lambda p, new: p * decay - new if decay != 1 else p - new)
 
-    def _apply_rows(self, members: list[tuple[int, torch.Tensor]], place: list[tuple[int, int]], own: torch.Tensor,
+    def _apply_rows(self, members: tuple[int, ...], place: list[tuple[int, int]], own: torch.Tensor,
                     combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         """Broadcast every rank's row ``own`` (owner-major, see :meth:`reduce_bucket`) from that
-        rank and write ``combine(param, its part of the rows)`` into each member."""
+        rank and write ``combine(param, its part of the rows)`` into each parameter of ``members``."""
         rows = torch.cat([fcol.broadcast(own, src, self.process_group) for src in range(self.world_size)])
         rows = rows.view(self.world_size, -1)
-        for (i, t), (r, at) in zip(members, place):
+        for i, (r, at) in zip(members, place):
             p = self.params[i]
-            p.copy_(combine(p, rows[r, at:at + t.numel()].view_as(p)))
+            p.copy_(combine(p, rows[r, at:at + p.numel()].view_as(p)))
 
     def _note_stepped(self, key: tuple[int, ...]) -> None:
         """Whole parameters: the planned buckets' members keep one step count each as long as

@@ -147,23 +147,21 @@ def _row_reads(full: Node, n: int) -> list[tuple[Node, int, int, int]]:
                 continue
             r = sel.args[2] % n
             for piece in sel.users:
-                if is_op(piece, SLICE_OPS) and len(piece.args) == 4 and piece.args[1] == 0:
-                    a, b = piece.args[2], min(piece.args[3], c)
-                    if 0 <= a < b:
-                        reads.append((piece, r, a, b))
+                if (is_op(piece, SLICE_OPS) and len(piece.args) == 4 and piece.args[1] == 0
+                        and isinstance(piece.args[2], int) and isinstance(piece.args[3], int)
+                        and 0 <= piece.args[2] < min(piece.args[3], c)):
+                    reads.append((piece, r, piece.args[2], min(piece.args[3], c)))
             if not any(is_op(u, SLICE_OPS) for u in sel.users):
                 reads.append((sel, r, 0, c))
     return reads
 
 
-def _read_chunks(graph: Graph, full: Node, parts: list[Node], pieces: list[tuple[int, int]], n: int) -> int:
+def _read_chunks(graph: Graph, full: Node, parts: list[Node], pieces: list[tuple[int, int]], n: int) -> None:
     """Point each read of a member's columns ``a:b`` in row ``r`` of the joined rows ``full``
     at the gathered chunk(s) holding them, so the join (on CPU a copy of every row: Inductor
     makes every ``cat`` a kernel of its own there) is not made where nothing else reads it: a
-    member within one chunk becomes a view of it, one across chunks a ``cat`` of its parts.
-    Returns the reads redirected."""
-    reads = _row_reads(full, n)
-    for piece, r, a, b in reads:
+    member within one chunk becomes a view of it, one across chunks a ``cat`` of its parts."""
+    for piece, r, a, b in _row_reads(full, n):
         with graph.inserting_before(piece):
             spans = []
             for part, (lo, hi) in zip(parts, pieces):
@@ -179,7 +177,6 @@ def _read_chunks(graph: Graph, full: Node, parts: list[Node], pieces: list[tuple
     for node in [sel for rows in list(full.users) for sel in list(rows.users)] + list(full.users) + [full, join]:
         if not node.users and is_op(node, SELECT_OPS + VIEW_OPS + (aten.cat.default,)):
             graph.erase_node(node)
-    return len(reads)
 
 
 def _rewrite_owner_broadcasts(graph: Graph, cat: Node, broadcasts: list[Node], chunk_bytes: int) -> int:
