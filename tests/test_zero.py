@@ -319,6 +319,21 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
         assert not any(k.startswith("all_gather_as_all_to_all: skipped") for k in {**sharded, **whole}), (sharded, whole)
 
 
+def test_inductor_sharded_update_with_the_passes_matches_unsharded_optimizer():
+    """The production path on gloo: AdamW with whole parameters, the sharded update (each rank
+    its own row's deltas), compiled by Inductor with the default pipeline (all_reduce + delta
+    broadcasts -> chunked all_to_all + all_gather, the write-back reading the chunks)."""
+    config = ("adamw", "after_backward", False)
+    outcomes = run_ranks(zero_worker, 2, [config], "inductor", "even", timeout=600)
+    check(outcomes, 2, "even")
+    for out in outcomes:
+        got = out[config]
+        assert got["own_row_params"] == sum(1 for _ in _even_net().parameters()), got["own_row_params"]
+        done = got["passes"]
+        assert done.get("all_to_all_weight_update: all_reduce read in own row -> all_to_all") == 1, done
+        assert done.get("all_to_all_weight_update: row read from the gathered chunks", 0) >= 1, done
+
+
 SEED_HOOKS = {  # what a user of the original passes: (hook, state maker), DDP's reducer
     "torch allreduce_hook": (lambda: ddp_default_hooks.allreduce_hook, lambda: dist.group.WORLD, "cpp"),
     "torch fp16_compress_hook": (lambda: ddp_default_hooks.fp16_compress_hook, lambda: dist.group.WORLD, "cpp"),
