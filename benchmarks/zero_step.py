@@ -2,6 +2,7 @@
 
     python benchmarks/zero_step.py                # 2 CPU ranks over loopback
     python benchmarks/zero_step.py --link 2gbit   # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+    python benchmarks/zero_step.py --profile      # and a kernel profile of the step per configuration
 
 Same model (the main example's transformer) and batch for every configuration; their steps are
 interleaved (one step of each in turn, the order rotated every step) so that machine noise hits
@@ -126,7 +127,29 @@ class Config:
         return _state_bytes(self.opt.state)
 
 
-def run(rank: int, size: dict, steps: int) -> list[dict] | None:
+PROFILED = ["compiled DDP + AdamW (unsharded)", "compiled ZeRO, after backward", "compiled ZeRO, interleaved", NO_STEP]
+
+
+def profile(c: Config, steps: int = 10) -> str:
+    """``steps`` of ``c`` under ``torch.profiler``: self CPU time per op and per Inductor kernel
+    (``enable_kernel_profile``), the largest first, per step. Where the optimizer's work is:
+    torch's ``Optimizer.step`` for the unsharded step; in the compiled ZeRO backward the kernels
+    of the update (loops over the bucket's own row with a ``sqrt``) and the write-back, which
+    Inductor's output code names (``TORCH_LOGS=output_code``)."""
+    with torch.profiler.profile() as prof:
+        for _ in range(steps):
+            dist.barrier()
+            c.step()
+    events = prof.key_averages()
+    rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:40]
+    lines = [f"| {e.key[:60]} | {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count // steps} |" for e in rows]
+    total = [f"; torch's Optimizer.step in all {e.cpu_time_total / steps / 1e3:.2f} ms"
+             for e in events if e.key.startswith("Optimizer.step")]
+    return "\n".join([f"\n{c.name}: self CPU time per step (ms), calls per step{''.join(total)}\n",
+                      "| op or kernel | ms | calls |", "|---|---:|---:|", *lines])
+
+
+def run(rank: int, size: dict, steps: int, profiled: bool = False) -> tuple[list[dict], list[str]] | None:
     tokens, targets = batch(rank, 0, batch_size=8, seq_len=32)
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
     configs = [Config(n, size, tokens, targets) for n in CONFIGS if n.startswith("eager")]
@@ -144,6 +167,7 @@ def run(rank: int, size: dict, steps: int) -> list[dict] | None:
             c.times.append(time.perf_counter() - t0)
     # every configuration trains the same model on the same data: how far apart did they end?
     flat = [torch.cat([p.detach().reshape(-1) for p in c.net.parameters()]) for c in configs]
+    tables = [profile(c) for c in configs if profiled and c.name in PROFILED]
     if rank != 0:
         return None
     n_tensors = sum(1 for _ in configs[0].net.parameters())
@@ -163,12 +187,15 @@ def run(rank: int, size: dict, steps: int) -> list[dict] | None:
                  median_ms=statistics.median(c.times) * 1e3, ratio=statistics.median(c.times) / base,
                  collectives=c.collectives, state_mb=c.state_bytes() / 1e6 if c.name != NO_STEP else 0.0,
                  optimizer_ms=optimizer_ms(c) if c.name != NO_STEP else 0.0,
-                 diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item()) for c, f in zip(configs, flat)]
+                 diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item()) for c, f in zip(configs, flat)], tables
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
-    rows = run(rank, dict(dim=args.dim, layers=args.layers), args.steps)
+    if args.profile:
+        torch._inductor.config.cpp.enable_kernel_profile = True
+    result = run(rank, dict(dim=args.dim, layers=args.layers), args.steps, args.profile)
     if rank == 0:
+        rows, tables = result
         print(f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
               f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: {rows[0]['model']}\n")
         print("| configuration | median step (ms) | vs first | optimizer step (ms, share of the step) "
@@ -181,6 +208,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
                   f"| {r['state_mb']:.2f} | {r['diff']:.1e} |")
         print("\noptimizer step: timed alone where it runs after backward; inside the compiled backward (ZeRO), "
               f"the step's median minus the median of '{NO_STEP}' (the same forward and backward)")
+        for table in tables:
+            print(table)
     return True
 
 
@@ -190,6 +219,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2, help="ranks over loopback (a --link run has 2)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile 10 steps of the unsharded, ZeRO and no-step configurations (rank 0's kernels)")
     add_link_argument(parser)
     launch(_worker, parser.parse_args())
 
