@@ -16,6 +16,8 @@ optimizer-state bytes per rank, and how far the parameters ended from the first
 configuration's (relative to the largest parameter; all train the same model on the same data):
 
 - compiled DDP + AdamW: unsharded optimizer (every rank holds all state), step after backward;
+  and the same with torch's own all_reduce bucketing in Inductor
+  (``torch._inductor.config.bucket_all_reduces_fx = "all"``, "torch bucketing");
 - eager DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)``: its overlap mode
   (``overlap_with_ddp=True`` with ``ddp_zero_hook``) needs NCCL, so it steps after backward;
 - compiled ZeRO (``compiled_hooks.zero``), the step inside the compiled backward, with the
@@ -54,6 +56,7 @@ BUCKET_CAP_MB = 4  # every DDP here (see the module docstring)
 NO_STEP = "compiled DDP, no optimizer step"
 CONFIGS = [
     "compiled DDP + AdamW (unsharded)",
+    "compiled DDP + AdamW (unsharded), torch bucketing",
     "eager DDP + torch ZeroRedundancyOptimizer",
     "compiled ZeRO, after backward",
     "compiled ZeRO, interleaved",
@@ -92,6 +95,7 @@ class Config:
         else:
             _, self.model = ch.compile_ddp(self.net, bucket_cap_mb=BUCKET_CAP_MB)
             self.opt = None if name == NO_STEP else torch.optim.AdamW(self.net.parameters(), lr=LR)
+        self.inductor_config = {"bucket_all_reduces_fx": "all"} if "torch bucketing" in name else {}
         self.step_times: list[float] = []  # the optimizer step alone, where it runs after backward
         if self.compiled:
             for p in self.net.parameters():  # one backward graph for every step
@@ -101,7 +105,8 @@ class Config:
     def step(self) -> None:
         self.net.zero_grad(set_to_none=False)
         if self.compiled:
-            with passes.install(self.pipeline) if self.pipeline else contextlib.nullcontext(), ch.compiled_autograd():
+            with (passes.install(self.pipeline) if self.pipeline else contextlib.nullcontext(), ch.compiled_autograd(),
+                  torch._inductor.config.patch(self.inductor_config)):
                 loss_fn(self.model, self.tokens, self.targets).backward()
         else:
             loss_fn(self.model, self.tokens, self.targets).backward()

@@ -21,13 +21,14 @@ DDP plus one broadcast per rank per bucket:
   full bucket where its rows are nearly equal, see :class:`ZeroStep`); each rank reads its own
   row of the averaged bucket. Where the optimizer reads the parameter only as
   ``param * decay - delta`` (AdamW; Adam and SGD without weight decay) and the bucket's rows
-  are balanced, the state is laid out by the hooks' buckets (:meth:`ZeroOptimizer.plan_buckets`:
-  each bucket's run of state holds this rank's row, at the same offset on every rank), and the
+  are balanced, the state is laid out by the hooks' buckets (:meth:`ZeroOptimizer.plan_buckets`,
+  :func:`lay_out_state`: each bucket's run of state holds this rank's row, at the same offset on
+  every rank; the shorter rows' tails hold other members' state, so no memory is added), and the
   optimizer compute is sharded: each rank computes ``delta`` for its own row only, every rank's
   row of deltas is broadcast from that rank, and every rank applies them::
 
       g = hook(owner_major(grads))[rank]            # one all_reduce (avg) per bucket, own row read
-      d, s[run] = delta(g, s[run], step)            # this rank's row only
+      d, s[run] = delta(g, s[run], step)            # this rank's row only (its length: where)
       p <- p * decay - cat(broadcast(d, src=r) for r)[owner(p), place(p)]
 
   Otherwise (Adam's or SGD's weight decay adds ``wd * param`` to the gradient; an unbalanced
@@ -98,6 +99,78 @@ def assign_whole_parameters(numels: list[int], world_size: int) -> tuple[list[in
     return owner, offset, load
 
 
+Piece = tuple[int, int]  # (offset in a rank's state buffers, elements)
+
+
+def lay_out_state(numels: list[int], owner: list[int], buckets: list[list[int]],
+                  world_size: int) -> tuple[dict[tuple[int, ...], tuple[int, int, list[int]]], list[list[Piece]], int]:
+    """Whole parameters: where each rank keeps the optimizer state of the parameters it owns,
+    given the buckets the ZeRO hooks reduce (each in its owner-major order, see
+    :meth:`ZeroOptimizer.reduce_bucket`). The same on every rank. Returns ``(runs, pieces, size)``:
+
+    - ``runs``: a bucket whose owner rows are within ``BALANCE_SLACK`` of equal gets a run
+      ``(start, L, row lengths)``, ``L`` its longest row: elements ``start .. start + L`` of
+      every rank's buffers, holding that rank's row from ``start`` (each member at its place in
+      the owner-major row), so the sharded update reads and writes one slice at an offset the
+      same on every rank. The shorter rows' tails are free.
+    - ``pieces[i]``: where parameter ``i``'s state lies in its owner's buffers, in order. A
+      planned bucket's member is one piece in its run; the others' members fill their owner's
+      free tails, then follow the runs, split where a tail ends.
+    - ``size``: the buffers' length, ``max(loads)`` as with no runs at all: runs are planned only
+      while their lengths sum to at most that (the most padded dropped first), and then every
+      rank's state fits. So the layout costs no state memory::
+
+          rank 0: [ b0 row 0 ........ | b1 row 0 .. | x x | b2 row 0 ...... | p p p ]
+          rank 1: [ b0 row 1 ..... q q | b1 row 1 ....... | b2 row 1 .. q q | q ]
+                    (q: rank 1's unplanned members; p: rank 0's)
+    """
+    load = [0] * world_size
+    for i, r in enumerate(owner):
+        load[r] += numels[i]
+    runs = []  # (members, row lengths)
+    for members in buckets:
+        used = [0] * world_size
+        for i in members:
+            used[owner[i]] += numels[i]
+        if rows_balanced(max(used), sum(used), world_size):
+            runs.append((members, used))
+    while sum(max(used) for _, used in runs) > max(load):
+        runs.remove(max(runs, key=lambda run: world_size * max(run[1]) - sum(run[1])))
+    planned, pieces, start = {}, [[] for _ in numels], 0
+    free = [[] for _ in range(world_size)]  # per rank: (lo, hi) intervals, in order
+    for members, used in runs:
+        at = [start] * world_size
+        for i in members:
+            pieces[i] = [(at[owner[i]], numels[i])]
+            at[owner[i]] += numels[i]
+        length = max(used)
+        for r in range(world_size):
+            free[r].append((at[r], start + length))
+        planned[tuple(members)] = (start, length, used)
+        start += length
+    for r in range(world_size):
+        free[r].append((start, start + sum(numels)))
+    in_runs = {i for key in planned for i in key}
+    for members in buckets:
+        for i in members:
+            if i in in_runs:
+                continue
+            need, holes = numels[i], free[owner[i]]
+            while need:
+                lo, hi = holes[0]
+                n = min(need, hi - lo)
+                if n:
+                    pieces[i].append((lo, n))
+                need -= n
+                holes[0] = (lo + n, hi)
+                if lo + n == hi:
+                    holes.pop(0)
+            if not pieces[i]:  # an empty parameter
+                pieces[i] = [(0, 0)]
+    size = max([start] + [lo + n for ps in pieces for lo, n in ps])
+    return planned, pieces, size
+
+
 class ZeroOptimizer:
     """ZeRO-1: each rank keeps optimizer state only for what it owns; after :meth:`step` (or
     the ZeRO hooks) every rank holds identical parameters.
@@ -155,12 +228,13 @@ class ZeroOptimizer:
             ready = list(reversed(range(len(params))))
             owner, offset, load = assign_whole_parameters([params[i].numel() for i in ready], n)
             self.owner = [0] * len(params)
-            self._offset = [0] * len(params)
+            self._pieces: list[list[Piece]] = [[] for _ in params]  # see lay_out_state
             for j, i in enumerate(ready):
-                self.owner[i], self._offset[i] = owner[j], offset[j]
+                self.owner[i], self._pieces[i] = owner[j], [(offset[j], params[i].numel())]
             self._buffers = {k: torch.zeros(max(load), dtype=params[0].dtype, device=device) for k in names}
-        # whole parameters, after plan_buckets: bucket members -> (state offset, row length, places)
-        self._rows: dict[tuple[int, ...], tuple[int, int, list[tuple[int, int]]]] = {}
+        # whole parameters, after plan_buckets: bucket members -> (state offset, row length,
+        # places, the row lengths by rank where they differ)
+        self._rows: dict[tuple[int, ...], tuple[int, int, list[tuple[int, int]], Optional[list[int]]]] = {}
         self._bucket_of: dict[int, tuple[int, ...]] = {}
         self._uniform_steps = True  # every planned bucket's members have one step count
 
@@ -172,11 +246,23 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer: a parameter of shape {tuple(param.shape)} is not in this optimizer") from None
 
     def _state_views(self, i: int) -> dict[str, torch.Tensor]:
+        """Parameter ``i``'s state in this rank's buffers, shaped like it: views, except for
+        whole parameters whose state lies in several pieces (a copy)."""
         p = self.params[i]
         if self.shard_buckets:
             return self._state[i]
-        off = self._offset[i]
-        return {k: buf[off:off + p.numel()].view_as(p) for k, buf in self._buffers.items()}
+        pieces = self._pieces[i]
+        return {k: (buf[pieces[0][0]:sum(pieces[0])] if len(pieces) == 1
+                    else torch.cat([buf[lo:lo + n] for lo, n in pieces])).view_as(p)
+                for k, buf in self._buffers.items()}
+
+    def _store(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """Eager: write parameter ``i``'s ``state`` into this rank's buffers, at its pieces."""
+        at = 0
+        for lo, n in self._pieces[i]:
+            for k, buf in self._buffers.items():
+                buf[lo:lo + n].copy_(state[k].reshape(-1)[at:at + n])
+            at += n
 
     def _rank(self) -> torch.Tensor:
         return group_rank(self._group_name, self._device)
@@ -226,37 +312,26 @@ class ZeroOptimizer:
     @torch.no_grad()
     def plan_buckets(self, buckets: list[list[int]]) -> None:
         """Whole parameters: lay the state out by the buckets the ZeRO hooks will reduce
-        (:meth:`ZeroStep.plan`). A bucket whose owner rows are within ``BALANCE_SLACK`` of equal
-        takes a run of its row length ``L`` in every rank's buffers, at the same offset on every
-        rank, holding that rank's row (its members at their places in the owner-major row): its
-        update then reads and writes the state as one slice and runs over this rank's row alone
-        (:meth:`update_bucket`). The other buckets' members follow, packed per owner as before
-        (their update is every member's on every rank). The buffers grow by the planned rows'
-        padding (0.9% on the benchmark's transformer). This rank's state moves along."""
+        (:meth:`ZeroStep.plan`; :func:`lay_out_state`): a bucket whose owner rows are nearly
+        equal gets a run of state holding this rank's row at an offset the same on every rank,
+        so its update reads and writes one slice and runs over this rank's row alone
+        (:meth:`update_bucket`); the other members fill the shorter rows' tails. The buffers
+        keep their size. This rank's state moves along."""
         if self.shard_buckets:
             return
         if sorted(i for b in buckets for i in b) != list(range(len(self.params))):
             raise ValueError(f"ZeroOptimizer.plan_buckets: the buckets must hold every parameter once, got {buckets}")
-        offset, rows, start, packed = [0] * len(self.params), {}, 0, []
-        for members in buckets:
-            place, length = self._owner_rows([(i, self.params[i]) for i in members])
-            if not rows_balanced(length, sum(self.params[i].numel() for i in members), self.world_size):
-                packed += members
-                continue
-            for i, (_, at) in zip(members, place):
-                offset[i] = start + at
-            rows[tuple(members)] = (start, length, place)
-            start += length
-        end = [start] * self.world_size
-        for i in packed:
-            offset[i], end[self.owner[i]] = end[self.owner[i]], end[self.owner[i]] + self.params[i].numel()
-        moved = {k: torch.zeros(max(end), dtype=buf.dtype, device=buf.device) for k, buf in self._buffers.items()}
-        for i, p in enumerate(self.params):
-            if self.owner[i] == self.rank:
-                for k, buf in self._buffers.items():
-                    moved[k][offset[i]:offset[i] + p.numel()].copy_(buf[self._offset[i]:self._offset[i] + p.numel()])
-        self._buffers, self._offset, self._rows = moved, offset, rows
-        self._bucket_of = {i: key for key in rows for i in key}
+        runs, pieces, size = lay_out_state([p.numel() for p in self.params], self.owner, buckets, self.world_size)
+        owned = {i: self._state_views(i) for i in range(len(self.params)) if self.owner[i] == self.rank}
+        self._buffers = {k: torch.zeros(size, dtype=buf.dtype, device=buf.device) for k, buf in self._buffers.items()}
+        self._pieces = pieces
+        for i, state in owned.items():
+            self._store(i, state)
+        self._rows = {}
+        for key, (start, length, used) in runs.items():
+            place, _ = self._owner_rows([(i, self.params[i]) for i in key])
+            self._rows[key] = (start, length, place, used if len(set(used)) > 1 else None)
+        self._bucket_of = {i: key for key in self._rows for i in key}
         self._uniform_steps = self._steps_uniform()
 
     def _steps_uniform(self) -> bool:
@@ -310,7 +385,7 @@ class ZeroOptimizer:
         delta = delta_rule(self.optimizer_class, self.hp)
         self._note_stepped(key)
         if row is not None and delta is not None and key in self._rows and self._uniform_steps:
-            self._update_own_row(key, row, scalars[0], *delta)
+            self._update_own_row(key, row, rank, scalars[0], *delta)
             return
         new_values = []
         for (i, g), step in zip(items, scalars.unbind(0)):
@@ -341,17 +416,24 @@ class ZeroOptimizer:
         own = self._own_row(flat, rank)
         self._apply_rows(key, place, own, lambda p, new: new)
 
-    def _update_own_row(self, key: tuple[int, ...], row: torch.Tensor, step: torch.Tensor, decay: float,
-                        delta: Callable[..., Any]) -> None:
+    def _update_own_row(self, key: tuple[int, ...], row: torch.Tensor, rank: torch.Tensor, step: torch.Tensor,
+                        decay: float, delta: Callable[..., Any]) -> None:
         """The sharded update of a planned bucket (see :meth:`update_bucket`)::
 
-            d, s[start:start+L] = delta(row, s[start:start+L], step)   # this rank's row only
+            d, new = delta(row, s[start:start+L], step)    # this rank's row only
+            s[start:start+L] = where(arange(L) < this rank's row length, new, s[start:start+L])
             p <- p * decay - cat(broadcast(d, src=r) for r)[owner(p), place(p)]
-        """
-        start, length, place = self._rows[key]
+
+        (the ``where`` only where rows differ: a shorter row's tail holds other state, see
+        :func:`lay_out_state`)."""
+        start, length, place, lengths = self._rows[key]
         dtype = self.params[key[0]].dtype
         state = {k: buf[start:start + length] for k, buf in self._buffers.items()}
         d, new_state = delta(row.to(dtype), state, step, self.hp)
+        if lengths is not None:
+            lengths = torch.tensor(lengths, device=self._device).index_select(0, rank)
+            mine = torch.arange(length, device=self._device) < lengths
+            new_state = {k: torch.where(mine, t, state[k]) for k, t in new_state.items()}
         self._write_state(start, new_state)
         self._apply_rows(key, place, d, lambda p, new: p * decay - new if decay != 1 else p - new)
 
@@ -399,11 +481,13 @@ class ZeroOptimizer:
                 buf[lo:lo + n].copy_(new_state[k])
 
     def _write_owned_state(self, i: int, new_state: dict[str, torch.Tensor], owned: torch.Tensor) -> None:
-        """Whole parameters: write parameter ``i``'s new state into this rank's flat buffers
-        where the rank owns it (``owned``, a 0-dim bool read at run time)."""
-        lo, n = self._offset[i], self.params[i].numel()
-        self._write_state(lo, {k: torch.where(owned, new_state[k].reshape(-1), buf[lo:lo + n])
-                               for k, buf in self._buffers.items()})
+        """Whole parameters: write parameter ``i``'s new state into this rank's flat buffers, at
+        its pieces, where the rank owns it (``owned``, a 0-dim bool read at run time)."""
+        at = 0
+        for lo, n in self._pieces[i]:
+            self._write_state(lo, {k: torch.where(owned, new_state[k].reshape(-1)[at:at + n], buf[lo:lo + n])
+                                   for k, buf in self._buffers.items()})
+            at += n
 
     def update(self, i: int, grad: torch.Tensor) -> None:
         """:meth:`update_bucket` of the one parameter ``i`` with its averaged gradient."""
@@ -469,22 +553,22 @@ class ZeroOptimizer:
         position = {pid: i for i, pid in enumerate(groups[0]["params"])}
         self.hp.update({k: v for k, v in groups[0].items() if k in self.hp})
         self._steps.zero_()
-        for views in (self._state_views(i) for i in range(len(self.params))):
-            for t in views.values():
-                t.zero_()
+        for buf in (t for s in self._state for t in s.values()) if self.shard_buckets else self._buffers.values():
+            buf.zero_()
         for pid, saved in state_dict["state"].items():
             i = position[pid]
             p = self.params[i]
             self._steps[i] = float(saved["step"]) if "step" in saved else 1.0
+            full = {}
             for k, t in self._state_views(i).items():
-                full = saved[k].to(device=t.device, dtype=t.dtype)
-                if full.shape != p.shape:
+                full[k] = saved[k].to(device=t.device, dtype=t.dtype)
+                if full[k].shape != p.shape:
                     raise ValueError(f"ZeroOptimizer.load_state_dict: state {k!r} of parameter {i} has shape "
-                                     f"{tuple(full.shape)}, expected {tuple(p.shape)}")
+                                     f"{tuple(full[k].shape)}, expected {tuple(p.shape)}")
                 if self.shard_buckets:
-                    t.copy_(self._own_slice(i, full))
-                elif self.owner[i] == self.rank:
-                    t.copy_(full)
+                    t.copy_(self._own_slice(i, full[k]))
+            if not self.shard_buckets and self.owner[i] == self.rank:
+                self._store(i, full)
         self._uniform_steps = self._steps_uniform()
 
 

@@ -44,7 +44,30 @@ def _even_net():
     return torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(9, 3, bias=False))
 
 
-NETS = {"uneven": _net, "even": _even_net}
+class _Affine(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(torch.ones(n)), torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def _tails_net():
+    """Sizes whose ZeRO buckets (DDP's 0.001 MB cap), on 2 and 4 ranks, are one bucket with
+    owner rows within 5% of equal but not equal (laid out for the sharded update) and one
+    unbalanced bucket whose members' state fills the shorter rows' tails (``lay_out_state``)."""
+    torch.manual_seed(0)
+    dims = [12, 3, 32, 3, 40, 3]
+    layers = []
+    for j, (a, b) in enumerate(zip(dims, dims[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if j < 3:  # LayerNorm's parameters, without its ill-conditioned normalization over 3 features
+            layers += [torch.nn.Tanh(), _Affine(b)]
+    return torch.nn.Sequential(*layers)
+
+
+NETS = {"uneven": _net, "even": _even_net, "tails": _tails_net}
 
 
 def _batch(rank, step):
@@ -124,6 +147,10 @@ def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", pyt
             # parameters in buckets updated over this rank's row only (plan_buckets, delta_rule)
             own_row_params=sum(map(len, zero._rows)) if zero._uniform_steps and delta_rule(cls, zero.hp) else 0,
             buckets=len(zero._rows),
+            # members outside the planned buckets whose state lies in a planned bucket's run
+            tails_used=0 if shard else sum(start <= lo < start + length for start, length, _, _ in zero._rows.values()
+                                           for i, pieces in enumerate(zero._pieces) if i not in zero._bucket_of
+                                           for lo, _ in pieces),
             passes=dict(torch._dynamo.utils.counters["passes"]),
         )
     return out
@@ -183,15 +210,16 @@ def test_compiled_ddp_matches_unsharded_optimizer(world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_sharded_update_matches_unsharded_optimizer(world_size, compiled):
-    """Whole parameters, buckets laid out for the sharded update (each rank computes its own
-    row's update only, every rank applies the broadcast rows): the python reducer's ZeRO
-    hooks, eager and compiled (aot_eager), against torch's optimizer."""
-    outcomes = run_ranks(zero_worker, world_size, OWN_ROW, "aot_eager" if compiled else None, "even", True,
+    """Whole parameters, a bucket laid out for the sharded update (each rank computes its own
+    row's update only, every rank applies the broadcast rows) whose shorter rows' tails hold
+    the state of the other bucket's members: the python reducer's ZeRO hooks, eager and
+    compiled (aot_eager), against torch's optimizer."""
+    outcomes = run_ranks(zero_worker, world_size, OWN_ROW, "aot_eager" if compiled else None, "tails", True,
                          timeout=600)
-    check(outcomes, world_size, "even")
+    check(outcomes, world_size, "tails")
     for key, got in outcomes[0].items():
-        n = sum(1 for _ in _even_net().parameters())
-        assert got["own_row_params"] == n and got["buckets"] == 1, (key, got["buckets"])
+        assert got["buckets"] == 1 and 0 < got["own_row_params"] < len(list(_tails_net().parameters())), key
+        assert got["tails_used"], key
         if compiled:
             assert got["breaks"] == {} and len([c for c in got["codes"] if "broadcast" in c]) == 1, key
 
@@ -201,6 +229,50 @@ def test_whole_parameter_assignment_is_balanced():
     assert load == [107, 105] and owner == [1, 0, 0, 1, 1]
     # within an owner's buffer, gradient-ready order: rank 1 holds params 0, 3, 4 side by side
     assert offset == [0, 0, 100, 5, 65]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_state_layout_keeps_the_buffers_size(world_size):
+    """lay_out_state on the main example's transformer (its benchmark size, 4 MB buckets) and on
+    random sizes: on every rank the pieces of the state it owns are disjoint and hold each
+    parameter whole; a planned bucket's members sit at their places in its run; the buffers
+    are as long as the most loaded rank's state (no padding), as without runs."""
+    import random
+    import sys
+    from pathlib import Path
+
+    from compiled_hooks.zero import lay_out_state
+    from tests.graphs import zero_optimizer
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from train_ddp import TinyTransformer
+
+    rng = random.Random(world_size)
+    cases = [([p.numel() for p in TinyTransformer(dim=256, layers=4).parameters()], 2**20, 4 * 2**20)]
+    for _ in range(60):  # blocks of a few repeated sizes, as in a model; caps of a few members
+        block = [rng.choice([1, 3, 8, 64, 100, 300, 1000]) for _ in range(rng.randint(1, 5))]
+        numels = [rng.choice([1, 16, 200])] + block * rng.randint(1, 8)
+        cases.append((numels, *sorted(rng.choice([64, 400, 4000, 16000]) for _ in range(2))))
+    runs_seen = tails_seen = 0
+    for numels, first_cap, cap in cases:
+        zero = zero_optimizer(world_size, [(n,) for n in numels], torch.optim.SGD)
+        planned = ZeroStep(None, zero, interleaved=False, bucket_bytes=cap, first_bucket_bytes=first_cap).planned
+        runs, pieces, size = lay_out_state(numels, zero.owner, planned, world_size)
+        load = [sum(n for n, r in zip(numels, zero.owner) if r == rank) for rank in range(world_size)]
+        assert size == max(load), (numels, size, load)
+        for rank in range(world_size):
+            mine = sorted(piece for i, ps in enumerate(pieces) if zero.owner[i] == rank for piece in ps)
+            assert all(lo + n <= nxt for (lo, n), (nxt, _) in zip(mine, mine[1:])), (numels, rank)
+            assert not mine or mine[-1][0] + mine[-1][1] <= size
+        assert [sum(n for _, n in ps) for ps in pieces] == numels
+        for key, (start, length, used) in runs.items():
+            place, _ = zero._owner_rows([(i, zero.params[i]) for i in key])
+            assert [ps for i, ps in ((i, pieces[i]) for i in key)] == [[(start + at, numels[i])] for i, (_, at) in zip(key, place)]
+            assert max(used) == length and sum(used) == sum(numels[i] for i in key)
+            tails_seen += any(start <= lo < start + length for i, ps in enumerate(pieces) if not any(i in k for k in runs)
+                              for lo, _ in ps)
+        runs_seen += len(runs)
+    assert runs_seen and tails_seen, (runs_seen, tails_seen)
 
 
 def test_whole_parameter_buckets_close_where_owner_rows_balance():
@@ -273,7 +345,7 @@ def test_traced_whole_parameter_step_computes_only_this_ranks_row(optimizer, kw)
     shapes = [(8,), (4, 4), (16,), (3,), (6,)]
     zero = zero_optimizer(2, shapes, optimizer, **kw)
     fn, args = zero_step_fn(zero, "fp32", interleaved=False, bucket_bytes=10**6)  # one bucket
-    (start, length, _), = zero._rows.values()
+    (start, length, _, _), = zero._rows.values()
     assert (start, length) == (0, 25)  # rows 16 + 8 + ... of the 49 elements: the longer row
     assert zero.state_bytes() == 4 * 25 * len(zero._buffers) + 8 * len(shapes)
     gm = trace(fn, *args(), world_size=2)
