@@ -37,6 +37,7 @@ import re
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -133,19 +134,63 @@ class Config:
 
 
 PROFILED = ["compiled DDP + AdamW (unsharded)", "compiled ZeRO, after backward", "compiled ZeRO, interleaved", NO_STEP]
+ALONE = ["compiled DDP + AdamW (unsharded)", "compiled ZeRO, after backward"]
+ALONE_CALLS = 20
+# not the optimizer's compute: communication (issuing collectives, waiting for them, the
+# barrier between calls; gloo's and NCCL's own threads), and the entry into the step compiled
+# alone (Dynamo's guard check, the compiled graph's call and argument checks: inside the
+# backward the step shares the backward graph's)
+NOT_COMPUTE = ("_c10d_functional::", "c10d::", "gloo:", "nccl:", "TorchDynamo Cache Lookup", "## Call CompiledFxGraph",
+               "Torch-Compiled Region", "AOTDispatcher", "Pregraph bytecode")
 
 
-def profile(c: Config, steps: int = 10) -> str:
-    """``steps`` of ``c`` under ``torch.profiler``: self CPU time per op and per Inductor kernel
-    (``enable_kernel_profile``), the largest first, per step. Where the optimizer's work is:
-    torch's ``Optimizer.step`` for the unsharded step; in the compiled ZeRO backward the kernels
-    of the update (loops over the bucket's own row with a ``sqrt``) and the write-back, which
-    Inductor's output code names (``TORCH_LOGS=output_code``)."""
+def profile(fn: Callable[[], Any], calls: int):
+    """``calls`` calls of ``fn`` under ``torch.profiler``, a barrier before each: its events,
+    averaged by name."""
     with torch.profiler.profile() as prof:
-        for _ in range(steps):
+        for _ in range(calls):
             dist.barrier()
-            c.step()
-    events = prof.key_averages()
+            fn()
+    return prof.key_averages()
+
+
+def compute_ms(fn: Callable[[], Any]) -> float:
+    """One call of ``fn``, profiled: its time in ops and kernels (self times, so nothing
+    twice), communication excluded."""
+    return sum(e.self_cpu_time_total for e in profile(fn, 1) if not e.key.startswith(NOT_COMPUTE)) / 1e3
+
+
+def step_alone(c: Config) -> Callable[[], Any]:
+    """The optimizer step of ``c`` alone, on the gradients its last step left: torch's
+    ``Optimizer.step``; for compiled ZeRO, the update of every bucket the hooks reduce
+    (``ZeroOptimizer.update_bucket`` on each bucket's averaged row, reduced once beforehand),
+    compiled by Inductor with the default pipeline: the own rows' deltas, the exchange of the
+    rows of deltas and the write-back, without the backward around them."""
+    if c.zero is None:
+        return c.opt.step
+    zero, state = c.zero, ch.DefaultState(dist.group.WORLD)
+    reduced = [zero.reduce_bucket(ch.allreduce_hook, state, [(i, zero.params[i].grad) for i in bucket])
+               for bucket in zero._buckets]
+
+    @torch.compile(fullgraph=True)
+    def update():
+        for items, row in reduced:
+            zero.update_bucket(items, row)
+
+    def step():
+        with passes.install(c.pipeline):
+            update()
+    for _ in range(3):  # compile and warm up
+        step()
+    return step
+
+
+def kernel_table(c: Config, events, steps: int) -> str:
+    """Self CPU time per op and per Inductor kernel (``enable_kernel_profile``), the largest
+    first, per step. Where the optimizer's work is: torch's ``Optimizer.step`` for the
+    unsharded step; in the compiled ZeRO backward the kernels of the update (loops over the
+    bucket's own row with a ``sqrt``) and the write-back, which Inductor's output code names
+    (``TORCH_LOGS=output_code``)."""
     rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:40]
     lines = [f"| {e.key[:60]} | {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count // steps} |" for e in rows]
     total = [f"; torch's Optimizer.step in all {e.cpu_time_total / steps / 1e3:.2f} ms"
@@ -172,7 +217,13 @@ def run(rank: int, size: dict, steps: int, profiled: bool = False) -> tuple[list
             c.times.append(time.perf_counter() - t0)
     # every configuration trains the same model on the same data: how far apart did they end?
     flat = [torch.cat([p.detach().reshape(-1) for p in c.net.parameters()]) for c in configs]
-    tables = [profile(c) for c in configs if profiled and c.name in PROFILED]
+    tables = [kernel_table(c, profile(c.step, 10), 10) for c in configs if profiled and c.name in PROFILED]
+    # the optimizer step alone, profiled (last: it steps the optimizers again)
+    steps_alone = {c.name: step_alone(c) for c in configs if c.name in ALONE}
+    alone: dict[str, list[float]] = {name: [] for name in steps_alone}
+    for _ in range(ALONE_CALLS):  # in turn, so that noise hits both alike
+        for name, fn in steps_alone.items():
+            alone[name].append(compute_ms(fn))
     if rank != 0:
         return None
     n_tensors = sum(1 for _ in configs[0].net.parameters())
@@ -192,6 +243,9 @@ def run(rank: int, size: dict, steps: int, profiled: bool = False) -> tuple[list
                  median_ms=statistics.median(c.times) * 1e3, ratio=statistics.median(c.times) / base,
                  collectives=c.collectives, state_mb=c.state_bytes() / 1e6 if c.name != NO_STEP else 0.0,
                  optimizer_ms=optimizer_ms(c) if c.name != NO_STEP else 0.0,
+                 alone_ms=statistics.median(alone[c.name]) if c.name in alone else None,
+                 alone_ratio=statistics.median(a / b for a, b in zip(alone[c.name], alone[configs[0].name]))
+                 if c.name in alone else None,
                  diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item()) for c, f in zip(configs, flat)], tables
 
 
@@ -204,15 +258,22 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
         print(f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
               f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: {rows[0]['model']}\n")
         print("| configuration | median step (ms) | vs first | optimizer step (ms, share of the step) "
+              "| optimizer step alone, compute, profiled (ms, vs first) "
               "| collectives/step | optimizer state per rank (MB) | max parameter difference vs first |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             coll = "-" if r["collectives"] is None else r["collectives"]
+            prof = "-" if r["alone_ms"] is None else f"{r['alone_ms']:.1f} ({r['alone_ratio']:.2f}x)"
             print(f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x "
-                  f"| {r['optimizer_ms']:.1f} ({r['optimizer_ms'] / r['median_ms']:.0%}) | {coll} "
+                  f"| {r['optimizer_ms']:.1f} ({r['optimizer_ms'] / r['median_ms']:.0%}) | {prof} | {coll} "
                   f"| {r['state_mb']:.2f} | {r['diff']:.1e} |")
         print("\noptimizer step: timed alone where it runs after backward; inside the compiled backward (ZeRO), "
-              f"the step's median minus the median of '{NO_STEP}' (the same forward and backward)")
+              f"the step's median minus the median of '{NO_STEP}' (the same forward and backward). "
+              f"Alone, profiled: after the steps, {ALONE_CALLS} calls of the optimizer step by itself "
+              "under torch.profiler (torch's Optimizer.step; for compiled ZeRO the compiled update of every bucket "
+              "on its averaged row), in turn: median time in ops and kernels per call, and the median of the calls' "
+              "ratios; communication (issuing and waiting for collectives) and the compiled step's entry "
+              "(guards, graph call) excluded")
         for table in tables:
             print(table)
     return True

@@ -236,6 +236,7 @@ class ZeroOptimizer:
         # places, the row lengths by rank where they differ)
         self._rows: dict[tuple[int, ...], tuple[int, int, list[tuple[int, int]], Optional[list[int]]]] = {}
         self._bucket_of: dict[int, tuple[int, ...]] = {}
+        self._buckets: list[list[int]] = []  # the hooks' buckets, as plan_buckets got them
         self._uniform_steps = True  # every planned bucket's members have one step count
 
     # -- the step --------------------------------------------------------------------------
@@ -327,6 +328,7 @@ class ZeroOptimizer:
         self._pieces = pieces
         for i, state in owned.items():
             self._store(i, state)
+        self._buckets = [list(b) for b in buckets]
         self._rows = {}
         for key, (start, length, used) in runs.items():
             place, _ = self._owner_rows([(i, self.params[i]) for i in key])
