@@ -178,7 +178,8 @@ def step_alone(c: Config) -> Callable[[], Any]:
             zero.update_bucket(items, row)
 
     def step():
-        with passes.install(c.pipeline):
+        # kernels profiled one by one (compute_ms), not inside the graph's call
+        with passes.install(c.pipeline), torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
             update()
     for _ in range(3):  # compile and warm up
         step()
