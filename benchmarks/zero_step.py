@@ -26,6 +26,11 @@ configuration's (relative to the largest parameter; all train the same model on 
   where the pass leaves graphs alone by default);
 - compiled DDP without an optimizer step: the reference for the optimizer step's time where
   the step runs inside the backward (the column "optimizer step").
+
+Then the optimizer step alone, profiled: torch's ``Optimizer.step`` of the unsharded
+configuration and the compiled ZeRO update of every bucket (after backward), 20 calls in turn;
+its compute per call (ops and kernels, communication and the compiled step's entry excluded,
+see :func:`step_alone`, ``NOT_COMPUTE``) and the median of the calls' ratios.
 """
 
 from __future__ import annotations
@@ -156,7 +161,7 @@ def profile(fn: Callable[[], Any], calls: int):
 
 def compute_ms(fn: Callable[[], Any]) -> float:
     """One call of ``fn``, profiled: its time in ops and kernels (self times, so nothing
-    twice), communication excluded."""
+    twice), what is not the optimizer's compute (``NOT_COMPUTE``) excluded."""
     return sum(e.self_cpu_time_total for e in profile(fn, 1) if not e.key.startswith(NOT_COMPUTE)) / 1e3
 
 

@@ -120,9 +120,9 @@ def lay_out_state(numels: list[int], owner: list[int], buckets: list[list[int]],
       while their lengths sum to at most that (the most padded dropped first), and then every
       rank's state fits. So the layout costs no state memory::
 
-          rank 0: [ b0 row 0 ........ | b1 row 0 .. | x x | b2 row 0 ...... | p p p ]
-          rank 1: [ b0 row 1 ..... q q | b1 row 1 ....... | b2 row 1 .. q q | q ]
-                    (q: rank 1's unplanned members; p: rank 0's)
+          rank 0: [ b0 row 0 ........ | b1 row 0 .. p p | b2 row 0 ...... | p ]
+          rank 1: [ b0 row 1 ..... q q | b1 row 1 ....... | b2 row 1 .. q q | q q ]
+                    (p, q: rank 0's and rank 1's members of unbalanced buckets)
     """
     load = [0] * world_size
     for i, r in enumerate(owner):
@@ -252,10 +252,11 @@ class ZeroOptimizer:
         p = self.params[i]
         if self.shard_buckets:
             return self._state[i]
-        pieces = self._pieces[i]
-        return {k: (buf[pieces[0][0]:sum(pieces[0])] if len(pieces) == 1
-                    else torch.cat([buf[lo:lo + n] for lo, n in pieces])).view_as(p)
-                for k, buf in self._buffers.items()}
+        state = {}
+        for k, buf in self._buffers.items():
+            parts = [buf[lo:lo + n] for lo, n in self._pieces[i]]
+            state[k] = (parts[0] if len(parts) == 1 else torch.cat(parts)).view_as(p)
+        return state
 
     def _store(self, i: int, state: dict[str, torch.Tensor]) -> None:
         """Eager: write parameter ``i``'s ``state`` into this rank's buffers, at its pieces."""

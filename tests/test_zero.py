@@ -265,11 +265,12 @@ def test_state_layout_keeps_the_buffers_size(world_size):
             assert all(lo + n <= nxt for (lo, n), (nxt, _) in zip(mine, mine[1:])), (numels, rank)
             assert not mine or mine[-1][0] + mine[-1][1] <= size
         assert [sum(n for _, n in ps) for ps in pieces] == numels
+        in_runs = {i for key in runs for i in key}
         for key, (start, length, used) in runs.items():
             place, _ = zero._owner_rows([(i, zero.params[i]) for i in key])
-            assert [ps for i, ps in ((i, pieces[i]) for i in key)] == [[(start + at, numels[i])] for i, (_, at) in zip(key, place)]
+            assert [pieces[i] for i in key] == [[(start + at, numels[i])] for i, (_, at) in zip(key, place)]
             assert max(used) == length and sum(used) == sum(numels[i] for i in key)
-            tails_seen += any(start <= lo < start + length for i, ps in enumerate(pieces) if not any(i in k for k in runs)
+            tails_seen += any(start <= lo < start + length for i, ps in enumerate(pieces) if i not in in_runs
                               for lo, _ in ps)
         runs_seen += len(runs)
     assert runs_seen and tails_seen, (runs_seen, tails_seen)
