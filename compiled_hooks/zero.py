@@ -99,17 +99,28 @@ def assign_whole_parameters(numels: list[int], world_size: int) -> tuple[list[in
     return owner, offset, load
 
 
+def owner_rows(numels: list[int], owners: list[int], world_size: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """A bucket of members of ``numels`` owned by ``owners``, laid out owner-major (row r: the
+    members rank r owns, in bucket order): each member's (row, offset in the row), and each
+    row's length."""
+    place, used = [], [0] * world_size
+    for numel, r in zip(numels, owners):
+        place.append((r, used[r]))
+        used[r] += numel
+    return place, used
+
+
 Piece = tuple[int, int]  # (offset in a rank's state buffers, elements)
 
 
-def lay_out_state(numels: list[int], owner: list[int], buckets: list[list[int]],
-                  world_size: int) -> tuple[dict[tuple[int, ...], tuple[int, int, list[int]]], list[list[Piece]], int]:
+def lay_out_state(numels: list[int], owner: list[int], buckets: list[list[int]], world_size: int
+                  ) -> tuple[dict[tuple[int, ...], tuple[int, int, list[tuple[int, int]], list[int]]], list[list[Piece]], int]:
     """Whole parameters: where each rank keeps the optimizer state of the parameters it owns,
     given the buckets the ZeRO hooks reduce (each in its owner-major order, see
     :meth:`ZeroOptimizer.reduce_bucket`). The same on every rank. Returns ``(runs, pieces, size)``:
 
     - ``runs``: a bucket whose owner rows are within ``BALANCE_SLACK`` of equal gets a run
-      ``(start, L, row lengths)``, ``L`` its longest row: elements ``start .. start + L`` of
+      ``(start, L, places, row lengths)`` (:func:`owner_rows`), ``L`` its longest row: elements ``start .. start + L`` of
       every rank's buffers, holding that rank's row from ``start`` (each member at its place in
       the owner-major row), so the sharded update reads and writes one slice at an offset the
       same on every rank. The shorter rows' tails are free.
@@ -127,26 +138,22 @@ def lay_out_state(numels: list[int], owner: list[int], buckets: list[list[int]],
     load = [0] * world_size
     for i, r in enumerate(owner):
         load[r] += numels[i]
-    runs = []  # (members, row lengths)
+    runs = []  # (members, places, row lengths)
     for members in buckets:
-        used = [0] * world_size
-        for i in members:
-            used[owner[i]] += numels[i]
+        place, used = owner_rows([numels[i] for i in members], [owner[i] for i in members], world_size)
         if rows_balanced(max(used), sum(used), world_size):
-            runs.append((members, used))
-    while sum(max(used) for _, used in runs) > max(load):
-        runs.remove(max(runs, key=lambda run: world_size * max(run[1]) - sum(run[1])))
+            runs.append((members, place, used))
+    while sum(max(used) for *_, used in runs) > max(load):
+        runs.remove(max(runs, key=lambda run: world_size * max(run[2]) - sum(run[2])))
     planned, pieces, start = {}, [[] for _ in numels], 0
     free = [[] for _ in range(world_size)]  # per rank: (lo, hi) intervals, in order
-    for members, used in runs:
-        at = [start] * world_size
-        for i in members:
-            pieces[i] = [(at[owner[i]], numels[i])]
-            at[owner[i]] += numels[i]
+    for members, place, used in runs:
+        for i, (_, at) in zip(members, place):
+            pieces[i] = [(start + at, numels[i])]
         length = max(used)
         for r in range(world_size):
-            free[r].append((at[r], start + length))
-        planned[tuple(members)] = (start, length, used)
+            free[r].append((start + used[r], start + length))
+        planned[tuple(members)] = (start, length, place, used)
         start += length
     for r in range(world_size):
         free[r].append((start, start + sum(numels)))
@@ -259,11 +266,10 @@ class ZeroOptimizer:
         return state
 
     def _store(self, i: int, state: dict[str, torch.Tensor]) -> None:
-        """Eager: write parameter ``i``'s ``state`` into this rank's buffers, at its pieces."""
+        """Write parameter ``i``'s ``state`` into this rank's buffers, at its pieces."""
         at = 0
         for lo, n in self._pieces[i]:
-            for k, buf in self._buffers.items():
-                buf[lo:lo + n].copy_(state[k].reshape(-1)[at:at + n])
+            self._write_state(lo, {k: state[k].reshape(-1)[at:at + n] for k in self._buffers})
             at += n
 
     def _rank(self) -> torch.Tensor:
@@ -293,11 +299,7 @@ class ZeroOptimizer:
         """Whole parameters, a bucket laid out owner-major (row r: the members rank r owns, in
         bucket order, padded to the longest row): each member's (row, offset in the row), and
         the row length. The same on every rank."""
-        place, used = [], [0] * self.world_size
-        for i, t in items:
-            r = self.owner[i]
-            place.append((r, used[r]))
-            used[r] += t.numel()
+        place, used = owner_rows([t.numel() for _, t in items], [self.owner[i] for i, _ in items], self.world_size)
         return place, max(used)
 
     def _owner_major(self, items: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -331,8 +333,7 @@ class ZeroOptimizer:
             self._store(i, state)
         self._buckets = [list(b) for b in buckets]
         self._rows = {}
-        for key, (start, length, used) in runs.items():
-            place, _ = self._owner_rows([(i, self.params[i]) for i in key])
+        for key, (start, length, place, used) in runs.items():
             self._rows[key] = (start, length, place, used if len(set(used)) > 1 else None)
         self._bucket_of = {i: key for key in self._rows for i in key}
         self._uniform_steps = self._steps_uniform()

@@ -266,7 +266,7 @@ def test_state_layout_keeps_the_buffers_size(world_size):
             assert not mine or mine[-1][0] + mine[-1][1] <= size
         assert [sum(n for _, n in ps) for ps in pieces] == numels
         in_runs = {i for key in runs for i in key}
-        for key, (start, length, used) in runs.items():
+        for key, (start, length, _, used) in runs.items():
             place, _ = zero._owner_rows([(i, zero.params[i]) for i in key])
             assert [pieces[i] for i in key] == [[(start + at, numels[i])] for i, (_, at) in zip(key, place)]
             assert max(used) == length and sum(used) == sum(numels[i] for i in key)
