@@ -56,6 +56,7 @@ from train_ddp import TinyTransformer, batch  # noqa: E402
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
 from launch import add_link_argument, describe_link, launch  # noqa: E402
+import results  # noqa: E402
 
 MODELS = {"mlp-32x256": ("mlp", 256, 32, 32), "mlp-32x256-b128": ("mlp", 256, 32, 128),
           "mlp-8x1024": ("mlp", 1024, 8, 32),
@@ -226,7 +227,8 @@ def first_gradient_ms(model: str, reps: int = 10) -> tuple[float, float]:
     return statistics.median(fwd[1:]) * 1e3, statistics.median(first[1:]) * 1e3
 
 
-def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None:
+def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict | None:
+    """Time, profile and print one model's table (rank 0); returns it for ``results``."""
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
     names = [n for n in CONFIGS if n.startswith("eager")] + [n for n in CONFIGS if not n.startswith("eager")]
@@ -252,7 +254,7 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
     timelines = [None] * dist.get_world_size()
     dist.all_gather_object(timelines, ours.timeline)  # the same profiled step on every rank
     if rank != 0:
-        return
+        return None
     configs.sort(key=lambda c: CONFIGS.index(c.name))
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
     best_peer = min(PEERS, key=median.__getitem__)
@@ -263,11 +265,13 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
     print("| configuration | median step (ms) | vs best peer | vs bound | collectives/step | MB to collectives/step "
           "| exposed communication (ms/step) | matmuls (ms/step) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for c in configs:
-        exposed = "-" if c.exposed_ms is None else f"{c.exposed_ms:.1f}"
-        print(f"| {c.name} | {median[c.name]:.1f} | {median[c.name] / median[best_peer]:.2f}x "
-              f"| {median[c.name] / bound:.2f}x | {c.collectives:g} | {c.wire_bytes / 2**20:.1f} | {exposed} "
-              f"| {c.matmul_ms:.1f} |")
+    rows = [dict(config=c.name, median_ms=median[c.name], vs_best_peer=median[c.name] / median[best_peer],
+                 vs_bound=median[c.name] / bound, collectives=c.collectives, mb=c.wire_bytes / 2**20,
+                 exposed_ms=c.exposed_ms, matmul_ms=c.matmul_ms) for c in configs]
+    for r in rows:
+        exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.1f}"
+        print(f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_best_peer']:.2f}x | {r['vs_bound']:.2f}x "
+              f"| {r['collectives']:g} | {r['mb']:.1f} | {exposed} | {r['matmul_ms']:.1f} |")
     print(f"\nthe passes took {ours.passes_s * 1e3:.0f} ms of the {ours.compile_s:.1f} s its first two steps took "
           f"(compile included; {ours.passes_s / ours.compile_s:.1%}; 0 when Inductor served the graphs from its cache).")
     print(f"\ntimeline of one profiled step of {ours.name} on every rank (ms from the step's start; every collective's "
@@ -278,14 +282,20 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> None
           f"+ wire time of all gradients in bf16 {wire:.1f}, compute alone {compute:.1f}); forward and first "
           f"gradient timed eagerly, wire time as one all_reduce of {elements / 1e6:.2f}M bf16 elements, which also "
           f"took {wire_cpu:.1f} ms of CPU time in each rank's process.")
+    return results.table(f"{model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)", rows,
+                         ratio="vs_best_peer", bound_ms=bound,
+                         note=f"forward {fwd:.1f} + first gradient {first:.1f} + wire {wire:.1f} ms; "
+                              f"compute alone {compute:.1f} ms")
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if rank == 0:
         print(f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per configuration, medians "
               f"on rank 0; torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
-    for model in args.models:
-        run_model(rank, model, args.steps, {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {})
+    tables = [run_model(rank, model, args.steps, {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {})
+              for model in args.models]
+    if rank == 0:
+        results.write(args, "ddp_sync", describe_link(), tables)
     return True
 
 
@@ -295,6 +305,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp-32x256", "mlp-32x256-b128", "mlp-8x1024"], choices=list(MODELS))
     parser.add_argument("--bucket-cap-mb", type=float, help="the passes' bucket cap (default: the pipeline's)")
     add_link_argument(parser)
+    results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
     launch(_worker, parser.parse_args())
 

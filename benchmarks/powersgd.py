@@ -39,6 +39,7 @@ import passes
 from compiled_hooks.powersgd import PowerSGDState, powerSGD_hook
 from ddp_sync import COLLECTIVES, _itemsize, _numel, loss_of, make_model
 from launch import add_link_argument, describe_link, launch
+import results
 
 MODEL, START, WARMUP, LR = "mlp-8x1024", 2, 4, 0.1
 BF16 = "compiled + bf16 hook + passes"
@@ -139,15 +140,22 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
           "| collectives/step | MB to collectives/step | loss after "
           f"{WARMUP + args.steps} steps |")
     print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
     for c in configs:
         peer = f"eager DDP + torch powerSGD rank {c.name.split('rank ')[1].split()[0]}" if "rank" in c.name else None
-        vs_peer = f"{median[c.name] / median[peer]:.2f}x" if peer in median and peer != c.name else "-"
-        mb = f"{c.mb:.2f}" if c.compiled else "-"  # the C++ reducer's collectives carry no shapes in the profile
-        print(f"| {c.name} | {median[c.name]:.1f} | {median[c.name] / median[BF16]:.2f}x | {vs_peer} "
-              f"| {c.collectives:g} | {mb} | {losses[c.name].item():.5f} |")
+        rows.append(dict(config=c.name, median_ms=median[c.name], vs_bf16_passes=median[c.name] / median[BF16],
+                         vs_torch_powersgd=median[c.name] / median[peer] if peer in median and peer != c.name else None,
+                         collectives=c.collectives, mb=c.mb if c.compiled else None, loss=losses[c.name].item()))
+    for r in rows:
+        vs_peer = "-" if r["vs_torch_powersgd"] is None else f"{r['vs_torch_powersgd']:.2f}x"
+        mb = "-" if r["mb"] is None else f"{r['mb']:.2f}"  # the C++ reducer's collectives carry no shapes in the profile
+        print(f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_bf16_passes']:.2f}x | {vs_peer} "
+              f"| {r['collectives']:g} | {mb} | {r['loss']:.5f} |")
     recompiles = counters["stats"]["unique_graphs"]
     print(f"\n{recompiles} graphs compiled in all (forward and backward of every compiled configuration, "
           "PowerSGD's backward twice: before and after its start)", flush=True)
+    results.write(args, "powersgd", describe_link(),
+                  [results.table(f"{MODEL}, forward + backward + SGD step", rows, ratio="vs_bf16_passes")])
     return True
 
 
@@ -156,6 +164,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD approximation ranks")
     add_link_argument(parser)
+    results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
     launch(_worker, parser.parse_args())
 

@@ -18,7 +18,6 @@ collective count grows only on its steps).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics

@@ -55,6 +55,7 @@ from train_ddp import TinyTransformer, batch, loss_fn  # noqa: E402
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
 from launch import add_link_argument, describe_link, launch  # noqa: E402
+import results  # noqa: E402
 from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved  # noqa: E402
 
 LR = 1e-3
@@ -282,6 +283,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
               "(guards, graph call) excluded")
         for table in tables:
             print(table)
+        results.write(args, "zero_step", describe_link(),
+                      [results.table(f"transformer ({rows[0]['model']}), forward + backward + AdamW step", rows,
+                                     ratio="ratio")])
     return True
 
 
@@ -294,6 +298,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then profile 10 steps of the unsharded, ZeRO and no-step configurations (rank 0's kernels)")
     add_link_argument(parser)
+    results.add_output_arguments(parser)
     launch(_worker, parser.parse_args())
 
 

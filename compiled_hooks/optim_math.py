@@ -29,8 +29,7 @@ def step_scalars(hp: Hp, steps: torch.Tensor) -> torch.Tensor:
 
     Computed once for a bucket of parameters, so that a compiled update reads three scalars per
     parameter: computed inside each parameter's update, Inductor's CPU kernels evaluate the two
-    float64 powers once per vector of 8 elements (measured: Adam over 3.2M elements 29 ms, about
-    twice torch's foreach AdamW). ``exp(t * log(beta))`` rather than ``beta**t``: Inductor keeps
+    float64 powers once per vector of 8 elements. ``exp(t * log(beta))`` rather than ``beta**t``: Inductor keeps
     a result with ``exp`` that has several readers in a buffer of its own instead of inlining it
     into each reader; the two agree to float64 rounding."""
     beta1, beta2 = hp.get("betas", (0.0, 0.0))

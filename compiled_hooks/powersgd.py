@@ -47,15 +47,14 @@ Where this differs from the original, by design:
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
-from . import validation
+from . import ops, validation
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
 
@@ -225,25 +224,13 @@ class PowerSGDState:
                 f"start_powerSGD_iter={self.start_powerSGD_iter}, iter={self.iter}, compressing={self.compressing})")
 
 
-@torch.library.custom_op("compiled_hooks::powersgd_count", mutates_args=())
-def _count(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int) -> torch.Tensor:
-    """Count one hook call of ``slot`` for the state ``state_id`` when the graph runs (see the
-    module docstring) and return the Q (``q_rows x q_cols``) this call starts its power
-    iteration from: a copy of the warm-started Q, or a new random one; empty for a call that
-    does not compress. Returning Q ties the read of the state to this call's place in the graph."""
+def counted(state_id: int, slot: int, grad: torch.Tensor, q_rows: int, q_cols: int) -> torch.Tensor:
+    """What ``torch.ops.compiled_hooks.powersgd_count`` does when the graph runs (see the module
+    docstring): count this call for the state and return its starting Q."""
     state = _STATES.get(state_id)
     if state is None:
         raise RuntimeError(f"powerSGD_hook: the PowerSGDState this graph was compiled with (id {state_id}) is gone")
     return state._counted(slot, grad, q_rows, q_cols)
-
-
-@_count.register_fake
-def _(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int) -> torch.Tensor:
-    return grad.new_empty(q_rows, q_cols)
-
-
-# Never dead-code eliminated: the count matters even where the returned Q is not used.
-torch.fx.node.has_side_effect(torch.ops.compiled_hooks.powersgd_count.default)
 
 
 def _gram_schmidt(vectors: list[torch.Tensor], epsilon: float) -> list[torch.Tensor]:
@@ -275,12 +262,6 @@ def _slot(state: PowerSGDState, key: torch.Tensor) -> int:
     return slot
 
 
-@torch.library.custom_op("compiled_hooks::powersgd_fold_error", mutates_args=("error",))
-def _fold_error_op(error: torch.Tensor, grad: torch.Tensor) -> None:
-    """``error += grad``, in place, for the traced hook (see :func:`_fold_error`)."""
-    error.add_(grad)
-
-
 def _fold_error(error: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``M = grad + error``, stored in the error buffer, which is returned.
 
@@ -288,11 +269,10 @@ def _fold_error(error: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     copy back into ``error`` comes last) that lives, with the gradient it was made from, until
     Q's all_reduce has returned, for every compressed parameter at once. An op declared as
     mutating ``error`` is reinplaced by Inductor onto the error buffer; the gradient's buffer
-    is then free right away and reused for the next parameter's gradient. On the 8 x 1024 MLP
-    that was 8 fresh 4 MB buffers per step whose first-touch page faults made each copy into
-    them cost 2.4-4.7 ms instead of 0.4 ms (profile on the 2 Gbit/s link, README)."""
+    is then free right away and reused for the next parameter's gradient, so no step writes
+    into freshly allocated (page-faulting) memory."""
     if torch.compiler.is_compiling():
-        torch.ops.compiled_hooks.powersgd_fold_error(error, grad)
+        ops.powersgd_fold_error(error, grad)
     else:
         error.add_(grad)
     return error
@@ -346,7 +326,7 @@ def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[t
         raise ValueError(f"{name}: gradient of shape {tuple(grad.shape)} for a parameter whose gradient had shape "
                          f"{tuple(s.shape)}")
     q_shape = _Slot.q_shape_of(grad.shape, state.matrix_approximation_rank) if compressing and compress else (0, 0)
-    q0 = torch.ops.compiled_hooks.powersgd_count(grad, state._id, slot, *q_shape)
+    q0 = ops.powersgd_count(grad, state._id, slot, *q_shape)
     if not compressing:
         grad.copy_(fcol.all_reduce(grad / n_ranks, "sum", group))
         return
@@ -358,8 +338,7 @@ def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[t
     local = grad.reshape(grad.shape[0], -1)
     m = local if error is None else _fold_error(error, local)
     # Q is kept transposed (r x m) and M^T P computed as (P^T M)^T with P^T made contiguous, so
-    # the products are row-major GEMMs (one CPU thread, 1024 x 1024 M, rank 4: M.T @ P 5.3 ms,
-    # P.t() @ M 0.84 ms, P.t().contiguous() @ M 0.53 ms).
+    # both products are row-major GEMMs over M (a GEMM through a transposed view is far slower).
     eps = state.orthogonalization_epsilon
     q_hat = orthogonalize(q0, eps, dim=0).t()
     p = orthogonalize(fcol.all_reduce(m @ q_hat, "sum", group), eps)

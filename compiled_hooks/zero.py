@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from .group_rank import group_rank
+from .ops import group_rank
 from .optim_math import UPDATES, delta_rule, hyperparameters, state_names, step_scalars
 from .validation import positional_arity
 
@@ -468,11 +468,10 @@ class ZeroOptimizer:
 
         Traced (``torch.compiler.is_compiling()``), an ``index_put_`` rather than
         ``buf[lo:hi].copy_``: a traced slice write becomes a ``slice_scatter`` of the whole
-        buffer, and Inductor fuses a bucket's chain of them into kernels over the whole buffer
-        (measured: 26 members x 1.6M elements, about 15x the update's own cost), while an
-        ``index_put`` it turns back into an in-place write of the slice (its index an ``arange``
-        computed in the kernel, never stored). Eager, the slice write: there an ``index_put_``
-        materializes the index and scatters (6.3 ms against 1.3 ms per 1M elements)."""
+        buffer, and Inductor fuses a bucket's chain of them into kernels that each loop over the
+        whole buffer, while an ``index_put`` it turns back into an in-place write of the slice
+        (its index an ``arange`` computed in the kernel, never stored). Eager, the slice write:
+        there an ``index_put_`` materializes the index and scatters, several times slower."""
         if not new_state:  # SGD without momentum keeps no state
             return
         n = next(iter(new_state.values())).numel()

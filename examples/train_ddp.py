@@ -1,7 +1,11 @@
 """Compiled DDP with bf16 gradient compression, checked against eager fp32 DDP.
 
-    python examples/train_ddp.py                     # spawns 2 CPU ranks over gloo
+    python examples/train_ddp.py                     # spawns 2 ranks (CPU + gloo without a GPU)
     torchrun --nproc-per-node 2 examples/train_ddp.py
+    python examples/train_ddp.py --device cpu --backend gloo
+
+``--device`` / ``--backend`` default to CUDA + NCCL when a GPU is visible (one GPU per rank),
+CPU + gloo otherwise; step times are measured after synchronizing the device.
 
 Each rank trains a tiny transformer on a synthetic next-token task twice from the same
 seed: once with eager fp32 DDP (the reference), once with compiled DDP (python reducer +
@@ -80,15 +84,22 @@ class TinyTransformer(nn.Module):
         return self.head(self.blocks(self.embed(tokens) + self.pos[: tokens.shape[1]]))
 
 
-def batch(rank: int, step: int, batch_size: int = BATCH, seq_len: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, step: int, batch_size: int = BATCH, seq_len: int = SEQ,
+          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences of t -> (5 t + 3) mod VOCAB from random starts: learnable, different per rank."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     start = torch.randint(0, VOCAB, (batch_size, 1), generator=g)
     seq = [start]
     for _ in range(seq_len):
         seq.append((5 * seq[-1] + 3) % VOCAB)
-    seq = torch.cat(seq, dim=1)
+    seq = torch.cat(seq, dim=1).to(device)
     return seq[:, :-1], seq[:, 1:]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def loss_fn(model, tokens, targets):
@@ -106,15 +117,15 @@ def comm_hook(hook: str, error_feedback: bool = True) -> tuple[object, Callable]
 
 
 def train(rank: int, steps: int, compiled: bool, log: bool, use_passes: bool = True, hook: str = "bf16",
-          error_feedback: bool = True) -> float:
+          error_feedback: bool = True, device: torch.device = torch.device("cpu")) -> float:
     torch.manual_seed(0)
-    net = TinyTransformer()
+    net = TinyTransformer().to(device)
     if compiled:
         _, model = ch.compile_ddp(net, *comm_hook(hook, error_feedback))
     else:
         model = DistributedDataParallel(net)
     # PowerSGD is an algorithm for SGD with momentum (the paper's setting): with AdamW, which
-    # rescales every coordinate, its approximation cost far more loss in this run (README).
+    # rescales every coordinate, its approximation costs far more loss (docs/powersgd.md).
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9) if hook == "powersgd" else \
         torch.optim.AdamW(net.parameters(), lr=1e-3)
     for p in net.parameters():  # gradients exist from step 0: one backward graph for every step
@@ -126,7 +137,8 @@ def train(rank: int, steps: int, compiled: bool, log: bool, use_passes: bool = T
     if log:
         print(f"--- {label} ---", flush=True)
     for step in range(steps):
-        tokens, targets = batch(rank, step)
+        tokens, targets = batch(rank, step, device=device)
+        synchronize(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         if compiled:
@@ -137,6 +149,7 @@ def train(rank: int, steps: int, compiled: bool, log: bool, use_passes: bool = T
             loss = loss_fn(model, tokens, targets)
             loss.backward()
         opt.step()
+        synchronize(device)
         elapsed = time.perf_counter() - t0
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
@@ -159,31 +172,57 @@ def report_rank_guard() -> None:
 
 
 def run(rank: int, world_size: int, steps: int, tolerance: float, use_passes: bool = True, hook: str = "bf16",
-        error_feedback: bool = True) -> bool:
+        error_feedback: bool = True, device: torch.device = torch.device("cpu")) -> bool:
     log = rank == 0
     # Eager DDP first: compile_ddp switches the process to DDP's python reducer.
-    reference = train(rank, steps, compiled=False, log=log, hook=hook)
+    reference = train(rank, steps, compiled=False, log=log, hook=hook, device=device)
     result = train(rank, steps, compiled=True, log=log, use_passes=use_passes, hook=hook,
-                   error_feedback=error_feedback)
+                   error_feedback=error_feedback, device=device)
     rel = (result - reference) / abs(reference)
     # bf16 must match fp32; PowerSGD, another algorithm, must not end worse (a lower loss passes)
     ok = rel <= tolerance if hook == "powersgd" else abs(rel) <= tolerance
     if log:
         print(f"final loss: compiled {hook} {result:.4f}  eager fp32 {reference:.4f}  "
               f"relative difference {rel:+.2e} ({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}"
-              f"{' (worse only)' if hook == 'powersgd' else ''}, {world_size} ranks)", flush=True)
+              f"{' (worse only)' if hook == 'powersgd' else ''}, {world_size} ranks, {device.type})", flush=True)
         report_rank_guard()
     return ok
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(args: argparse.Namespace, local_rank: int) -> tuple[torch.device, str]:
+    """This rank's device (one GPU per rank on CUDA) and the backend: ``args.device`` /
+    ``args.backend`` where given (the benchmarks give neither: CPU + gloo)."""
+    kind = getattr(args, "device", None) or "cpu"
+    backend = getattr(args, "backend", None) or ("nccl" if kind == "cuda" else "gloo")
+    if kind == "cpu":
+        return torch.device("cpu"), backend
+    if kind != "cuda":
+        raise ValueError(f"--device {kind!r}: expected cpu or cuda")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible")
+    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"--backend nccl needs a GPU per rank: local rank {local_rank} of "
+                           f"{torch.cuda.device_count()} visible GPU(s); use fewer ranks or --backend gloo")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device, backend
+
+
 def _in_group(rank: int, world_size: int, port: Optional[int], run_fn: Callable[..., bool],
               args: argparse.Namespace) -> None:
-    """``run_fn(rank, world_size, args)`` inside a gloo group; exit code 1 when it returns False."""
+    """``run_fn(rank, world_size, args)`` inside a process group on ``args.device`` (set here to
+    this rank's ``torch.device``); exit code 1 when it returns False."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if port is None else rank
+    args.device, backend = resolve_device(args, local_rank)
     if port is None:  # torchrun: rank, world size and rendezvous come from the environment
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     else:
         torch.set_num_threads(1)  # the spawned ranks share this machine's cores
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         ok = run_fn(dist.get_rank(), dist.get_world_size(), args)
         dist.barrier()  # gloo aborts a process whose peer tore the group down first
@@ -194,7 +233,7 @@ def _in_group(rank: int, world_size: int, port: Optional[int], run_fn: Callable[
 
 
 def launch(run_fn: Callable[..., bool], args: argparse.Namespace) -> None:
-    """Under torchrun run this rank; otherwise spawn ``args.world_size`` CPU ranks."""
+    """Under torchrun run this rank; otherwise spawn ``args.world_size`` ranks."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _in_group(-1, -1, None, run_fn, args)
         return
@@ -209,13 +248,18 @@ def example_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="max relative final-loss difference")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device(),
+                        help="default: cuda when a GPU is visible (one per rank), else cpu")
+    parser.add_argument("--backend", choices=["gloo", "nccl"],
+                        help="default: nccl with --device cuda, gloo with cpu")
     return parser
 
 
 def _run_args(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     steps = args.steps or (40 if args.hook == "powersgd" else 30)
     tolerance = args.tolerance or (0.10 if args.hook == "powersgd" else 0.05)
-    return run(rank, world_size, steps, tolerance, not args.no_passes, args.hook, not args.no_error_feedback)
+    return run(rank, world_size, steps, tolerance, not args.no_passes, args.hook, not args.no_error_feedback,
+               args.device)
 
 
 def main() -> None:

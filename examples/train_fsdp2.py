@@ -1,6 +1,6 @@
 """FSDP2 with a compression comm hook, checked against FSDP2's own mixed precision.
 
-    python examples/train_fsdp2.py                     # spawns 2 CPU ranks over gloo
+    python examples/train_fsdp2.py                     # spawns 2 ranks (CPU + gloo without a GPU)
     torchrun --nproc-per-node 2 examples/train_fsdp2.py
 
 Each rank trains the main example's tiny transformer twice from the same seed, with
@@ -29,16 +29,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn, report_rank_guard  # noqa: E402
+from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn, report_rank_guard, synchronize  # noqa: E402
 
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
 from compiled_hooks.fsdp import register_comm_hook  # noqa: E402
 
 
-def build(mesh, with_hook: bool) -> torch.nn.Module:
+def build(mesh, with_hook: bool, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = TinyTransformer(dim=64, layers=2)
+    model = TinyTransformer(dim=64, layers=2).to(device)
     mp_policy = MixedPrecisionPolicy() if with_hook else MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
@@ -49,20 +49,22 @@ def build(mesh, with_hook: bool) -> torch.nn.Module:
     return model
 
 
-def run(rank: int, world_size: int, steps: int, tolerance: float) -> bool:
-    mesh = init_device_mesh("cpu", (world_size,))
-    models = {"bf16_compress_hook": build(mesh, True), "FSDP2 reduce_dtype=bf16": build(mesh, False)}
+def run(rank: int, world_size: int, steps: int, tolerance: float, device: torch.device) -> bool:
+    mesh = init_device_mesh(device.type, (world_size,))
+    models = {"bf16_compress_hook": build(mesh, True, device), "FSDP2 reduce_dtype=bf16": build(mesh, False, device)}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     final = {}
     for step in range(steps):
-        tokens, targets = batch(rank, step)
+        tokens, targets = batch(rank, step, device=device)
         line = f"step {step:3d}"
         for name, model in models.items():
+            synchronize(device)
             t0 = time.perf_counter()
             loss = loss_fn(model, tokens, targets)
             loss.backward()
             opts[name].step()
             opts[name].zero_grad()
+            synchronize(device)
             elapsed = time.perf_counter() - t0
             mean = loss.detach().clone()
             dist.all_reduce(mean, op=dist.ReduceOp.AVG)
@@ -82,7 +84,7 @@ def run(rank: int, world_size: int, steps: int, tolerance: float) -> bool:
 
 def _run_args(rank: int, world_size: int, args) -> bool:
     with passes.install():
-        return run(rank, world_size, args.steps, args.tolerance)
+        return run(rank, world_size, args.steps, args.tolerance, args.device)
 
 
 def main() -> None:

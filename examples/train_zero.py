@@ -1,6 +1,6 @@
 """Compiled DDP with a ZeRO-1 optimizer step inside backward, checked against unsharded AdamW.
 
-    python examples/train_zero.py                          # spawns 2 CPU ranks over gloo
+    python examples/train_zero.py                          # spawns 2 ranks (CPU + gloo without a GPU)
     python examples/train_zero.py --schedule after_backward --shard-buckets
     torchrun --nproc-per-node 2 examples/train_zero.py
 
@@ -35,7 +35,7 @@ from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn, report_rank_guard  # noqa: E402
+from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn, report_rank_guard, synchronize  # noqa: E402
 
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
@@ -44,15 +44,15 @@ from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_ze
 LR = 1e-3
 
 
-def reference(rank: int, steps: int) -> tuple[list[float], torch.nn.Module, int]:
+def reference(rank: int, steps: int, device: torch.device) -> tuple[list[float], torch.nn.Module, int]:
     torch.manual_seed(0)
-    net = TinyTransformer()
+    net = TinyTransformer().to(device)
     model = DistributedDataParallel(net)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, foreach=False)
     losses = []
     for step in range(steps):
         opt.zero_grad()
-        loss = loss_fn(model, *batch(rank, step))
+        loss = loss_fn(model, *batch(rank, step, device=device))
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -60,9 +60,9 @@ def reference(rank: int, steps: int) -> tuple[list[float], torch.nn.Module, int]
     return losses, net, state
 
 
-def zero_run(rank: int, steps: int, schedule: str, shard_buckets: bool, log: bool):
+def zero_run(rank: int, steps: int, schedule: str, shard_buckets: bool, log: bool, device: torch.device):
     torch.manual_seed(0)
-    net = TinyTransformer()
+    net = TinyTransformer().to(device)
     zero = ZeroOptimizer(net.parameters(), torch.optim.AdamW, shard_buckets=shard_buckets, lr=LR)
     ddp, model = ch.compile_ddp(net)
     make_hook = hook_with_zero_step_interleaved if schedule == "interleaved" else hook_with_zero_step
@@ -75,11 +75,14 @@ def zero_run(rank: int, steps: int, schedule: str, shard_buckets: bool, log: boo
     pipeline = passes.default_pipeline(**({"shard_weight_update": True, "shard_backends": ("gloo", "nccl")}
                                           if shard_buckets else {}))
     for step in range(steps):
+        tokens, targets = batch(rank, step, device=device)
+        synchronize(device)
         t0 = time.perf_counter()
         zero.zero_grad(set_to_none=False)
         with passes.install(pipeline), ch.compiled_autograd():
-            loss = loss_fn(model, *batch(rank, step))
+            loss = loss_fn(model, tokens, targets)
             loss.backward()  # the optimizer step runs inside
+        synchronize(device)
         losses.append(loss.item())
         if log:
             note = " (includes compilation)" if step == 0 else ""
@@ -89,11 +92,11 @@ def zero_run(rank: int, steps: int, schedule: str, shard_buckets: bool, log: boo
 
 def run(rank: int, world_size: int, args) -> bool:
     log = rank == 0
-    ref_losses, ref_net, ref_state = reference(rank, args.steps)
+    ref_losses, ref_net, ref_state = reference(rank, args.steps, args.device)
     if log:
         print(f"--- compiled DDP + ZeroOptimizer(AdamW), schedule {args.schedule}, "
               f"shard_buckets={args.shard_buckets} ---", flush=True)
-    losses, net, state = zero_run(rank, args.steps, args.schedule, args.shard_buckets, log)
+    losses, net, state = zero_run(rank, args.steps, args.schedule, args.shard_buckets, log, args.device)
     diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(net.parameters(), ref_net.parameters()))
     # every rank must hold the same parameters
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])

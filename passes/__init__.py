@@ -1,10 +1,19 @@
 """FX graph passes over Inductor's post-grad graph for gradient collectives.
 
 Each pass is a plain function ``pass(graph: torch.fx.Graph, **options) -> bool`` (True when it
-changed the graph) that follows the contract in the README: it rewrites only what it can prove
+changed the graph) that follows the contract in docs/passes.md: it rewrites only what it can prove
 safe, keeps ``meta["val"]`` valid, is idempotent, and never makes an order of collectives that
 depends on the rank. ``install()`` registers a :class:`Pipeline` of them with Inductor.
+
+Logging goes to the ``passes`` logger, registered with torch's logging: ``TORCH_LOGS="passes"``
+prints one summary line per compiled graph, ``TORCH_LOGS="+passes"`` every decision as well.
 """
+
+import torch._logging
+
+torch._logging._internal.register_log("passes", "passes")
+
+from compiled_hooks import __version__
 
 from . import testing
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
@@ -23,6 +32,7 @@ from .shard_weight_update import shard_weight_update
 from .verify import PassVerificationError
 
 __all__ = [
+    "__version__",
     "fold_collective_scaling",
     "fuse_collective_casts",
     "fuse_cat_prologue",

@@ -21,12 +21,11 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.distributed_c10d as c10d
-
-import compiled_hooks.group_rank  # noqa: F401 - registers torch.ops.compiled_hooks.group_rank
-import compiled_hooks.powersgd  # noqa: F401 - registers torch.ops.compiled_hooks.powersgd_count
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.fx import Graph, Node
+
+from compiled_hooks.ops import GROUP_RANK, POWERSGD_COUNT  # noqa: F401 - re-exported to the passes
 
 log = logging.getLogger("passes")
 
@@ -40,8 +39,6 @@ BROADCAST = c10d_ops.broadcast.default
 BROADCAST_ = c10d_ops.broadcast_.default  # in place (reinplace_broadcasts)
 ALL_TO_ALL = c10d_ops.all_to_all_single.default
 WAIT = c10d_ops.wait_tensor.default
-GROUP_RANK = torch.ops.compiled_hooks.group_rank.default  # this rank, read at run time
-POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default  # PowerSGD's step counter (side effect)
 COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER)
 
 MUL_OPS = (aten.mul.Tensor, aten.mul.Scalar)
@@ -52,8 +49,8 @@ SCALE_OPS = MUL_OPS + DIV_OPS
 
 # Backends where reduce op avg is worth folding into: NCCL averages inside the collective.
 # gloo implements avg too (torch 2.13), but as a sum followed by a division pass over the
-# result in the wire dtype, issued after the wire time: a bf16 all_reduce of 1M elements took
-# 7.3 ms with avg against 4.5 ms with sum on 2 ranks over loopback. There the factors become
+# result in the wire dtype, issued after the wire time, which costs more than the multiplication
+# it saves (docs/benchmarks.md). There the factors become
 # one multiplication before the cast, inside the cast's kernel. "fake" is the test backend
 # (no communication; it stands for NCCL in traced graphs).
 AVG_BACKENDS = frozenset({"nccl", "fake"})
@@ -279,8 +276,8 @@ def split_values(flat: torch.Tensor, sizes: list[int]) -> Optional[list[torch.Te
     """The fake values of ``split_with_sizes(flat, sizes)`` for a contiguous 1-D fake ``flat``:
     views of its storage at the pieces' offsets, as the op gives (None for any other ``flat``:
     let the fake kernel do it). Computed on a plain meta tensor over the same storage and
-    wrapped once each; the fake kernel takes ~0.15 ms per piece, which for a bucket of
-    thousands of members was most of the pass's time."""
+    wrapped once each; the fake kernel costs a propagation per piece, linear in a bucket's
+    members with a large constant."""
     mode = getattr(flat, "fake_mode", None)
     if mode is None or flat.dim() != 1 or not flat.is_contiguous() or sum(sizes) != flat.numel():
         return None

@@ -8,14 +8,10 @@ all_gather, which moves half the bytes of all_reduce + broadcasts on NCCL; on gl
 reduce_scatter is an all_reduce in disguise, no cheaper. This pass makes the same exchange out
 of gloo's all_to_all, which sends each rank only its row, and sums the N received rows
 locally; and it issues both exchanges in chunks of at most ``all_to_all_chunk_bytes`` per
-destination, which gloo moves at the link's rate where one large message does not (measured on
-this VM's 2 Gbit/s link, 12.8 MB fp32 in, medians of 15: all_reduce 53 ms; all_to_all in one
-piece 38 ms, in 4 pieces 28-32 ms, in 8 pieces of 0.8 MB per destination 27 ms; all_gather of
-6.4 MB 33 ms in one piece, 27 ms in 8; the two owners' broadcasts of 6.4 MB each 44-49 ms, also
-in pieces). Every piece is one more collective to issue, which shows where the wire is free:
-the ZeRO benchmark's step over loopback was 1.05x the unsharded step with 1 MiB pieces and
-1.00x with 4 MiB, on the link 0.92x / 0.93x / 0.99x with 1 / 2 / 4 MiB; the default is 2 MiB.
-Two independent rewrites, each exact on its own:
+destination, which gloo moves at the link's rate where one large message does not. Every
+piece is one more collective to issue, which costs where the wire is free; the default, 2 MiB,
+is the size measured best on a bandwidth-bound link (docs/benchmarks.md). Two independent
+rewrites, each exact on its own:
 
 1. *own row of an all_reduce* (sum or avg; matched as ``shard_weight_update`` matches it)::
 
@@ -40,8 +36,7 @@ Two independent rewrites, each exact on its own:
    and a read of row ``r``'s columns ``a:b`` of ``full`` (the write-back of one member,
    ``view(full, [N, c])[r, a:b]``) reads the chunks instead: ``g_k[r, a - lo_k:b - lo_k]``
    within one chunk, a ``cat`` of its parts across two. The join of all rows, which Inductor
-   makes a copy of its own on CPU (1.9-2.4 ms per step on the ZeRO benchmark's transformer,
-   in its kernel profile), is then not made unless something else reads it.
+   makes a copy of its own on CPU, is then not made unless something else reads it.
 
 On gloo, ``all_gather_as_all_to_all`` (last in ``default_pipeline``) then turns each all_gather
 into an all_to_all of the same bytes: gloo's all_gather is not safe with several in flight.

@@ -33,8 +33,8 @@ Every member's pre-collective ops (scales, casts, views) move next to the ``cat`
 computes them straight into the flat buffer (one copy-in); every member's post-collective
 ops read its piece of the bucket, so the decompress is fused into the copy-out. (1-D members
 need no ``reshape`` / ``view``.) Linear in the graph: one labelling pass finds the buckets, one
-numbering serves every merge, and one ``split_with_sizes`` cuts a bucket (a slice per member
-cost ~1.5 ms each in fake-tensor propagation). The bucket is
+numbering serves every merge, and one ``split_with_sizes`` cuts a bucket (not a slice per
+member, each of which costs a fake-tensor propagation). The bucket is
 issued right after its last member's input is ready, and waited right before the first use
 of any member's result, so it overlaps with the rest of the graph. A reduce_scatter bucket
 lays members out rank-major (``cat`` of ``[N, -1]`` views along dim 1), so each rank's

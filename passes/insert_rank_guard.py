@@ -36,11 +36,11 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, Node
 
-from . import rank_guard  # noqa: F401 - registers torch.ops.compiled_hooks.check_ranks
+from compiled_hooks.ops import CHECK_RANKS as CHECK
+
 from ._graph import check_graph, is_collective, record, val
 
 NAME = "insert_rank_guard"
-CHECK = torch.ops.compiled_hooks.check_ranks.default
 
 # Positional arguments (after the input) that must be equal on every rank, by collective.
 _AGREEING_ARGS = {

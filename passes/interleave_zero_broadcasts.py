@@ -34,10 +34,9 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
       u2 = ...; b2 = ...; wb2 = wait(b2) wb1 = wait(b1); wb2 = wait(b2)   # at the write-back
       copy_(p1, wb1); copy_(p2, wb2)     copy_(p1, wb1); copy_(p2, wb2)
 
-  (Until 2026-11-23 the update went just *before* the next gradient collective always, so each
-  bucket's broadcasts went on the wire ahead of the next bucket's gradients, which the next
-  update then waited for: on a 2 Gbit/s link the interleaved step was 1.05x-1.09x the
-  unsharded one, the step after backward 0.95x.)
+  Placing the update just *before* the next gradient collective instead would put each
+  bucket's broadcasts on the wire ahead of the next bucket's gradients, which the next update
+  then waits for.
 
 - after backward (``hook_with_zero_step``: every broadcast comes after every gradient
   collective): updates start after the last gradient collective is issued, each right after

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import inspect
-import os
+import logging
 import pathlib
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -24,9 +24,11 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
+
+from compiled_hooks._env import env_flag
 
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
@@ -43,26 +45,22 @@ from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from ._graph import check_graph
 from .verify import check_rewrite, copy_graph
 
+log = logging.getLogger("passes")
+
 GraphPass = Callable[..., bool]
-# Inductor's communication scheduling, which keeps the waits where schedule_collectives put them,
-# without its peak-memory ordering, which would move them (and a ZeRO backward's collectives).
+# The Inductor options install() sets (and restores): its communication scheduling, which keeps
+# the waits where schedule_collectives put them, without its peak-memory ordering, which would
+# move them (and a ZeRO backward's collectives).
 KEEP_SCHEDULE = {"reorder_for_compute_comm_overlap": True,
                  "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
                  "reorder_for_peak_memory": False}
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name, "0").strip().lower()
-    if value not in ("", "0", "1", "false", "true"):
-        raise ValueError(f"{name}={value!r}: expected 1 or 0")
-    return value in ("1", "true")
-
-
 def _flag(name: str, value: Any, env: str) -> bool:
     """An on/off option: a bool, or None for the environment variable ``env``."""
     if value is None:
-        return _env_flag(env)
+        return env_flag(env)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True, False or None (from {env}), got {value!r}")
     return value
@@ -80,6 +78,13 @@ def _in_topological_order(graph: Graph) -> bool:
             return False
         seen.add(node)
     return True
+
+
+def summary(before: dict[str, int], after: dict[str, int], nodes: int, us: int) -> str:
+    """One line for a compile: what each pass did (and skipped) between two counter readings."""
+    events = [f"{k} (x{after[k] - before.get(k, 0)})" for k in after
+              if not k.endswith(": us") and after[k] != before.get(k, 0)]
+    return f"passes: {nodes} nodes, {us / 1e3:.1f} ms: " + ("; ".join(events) or "nothing to do")
 
 
 def _us(since: float) -> int:
@@ -115,7 +120,7 @@ class Pipeline(CustomGraphPass):
             raise ValueError(f"Pipeline: no pass takes option(s) {sorted(unknown)}")
         self.passes = passes
         self.options = dict(options)
-        self.verify = os.environ.get("PASSES_VERIFY", "0") not in ("", "0") if verify is None else bool(verify)
+        self.verify = _flag("verify", verify, "PASSES_VERIFY")
         self.check_ranks = _flag("check_ranks", check_ranks, "PASSES_CHECK_RANKS")
         if self.check_ranks and not dist.is_initialized():
             raise RuntimeError("check_ranks=True: torch.distributed is not initialized; call "
@@ -133,8 +138,8 @@ class Pipeline(CustomGraphPass):
         check_graph("Pipeline", graph)
         # Without the cyclic garbage collector: the passes allocate many small objects (nodes,
         # fake tensors) and free almost none, so every collection they trigger is wasted work
-        # that walks the whole compiling process's heap (Inductor's graphs and fake tensors),
-        # which made the pass time grow faster than the graph.
+        # that walks the whole compiling process's heap (Inductor's graphs and fake tensors):
+        # with it on, the pass time grows faster than the graph.
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
@@ -145,6 +150,7 @@ class Pipeline(CustomGraphPass):
 
     def _run(self, graph: Graph) -> bool:
         started = time.perf_counter()
+        counted = {k: v for k, v in counters["passes"].items() if not k.endswith(": us")}
         # Inductor's own DDP pass (schedule_comm_wait) can hand over a graph whose nodes are not
         # in topological order (Inductor sorts only after the custom pass); sort it first, the
         # same stable way, so the passes see a valid order.
@@ -167,6 +173,8 @@ class Pipeline(CustomGraphPass):
             changed |= insert_rank_guard(graph)
             counters["rank_guard"]["pass us"] += _us(t0)
         counters["passes"]["pipeline: us"] += _us(started)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", summary(counted, counters["passes"], len(graph.nodes), _us(started)))
         return changed
 
     def uuid(self) -> Optional[str]:
@@ -215,28 +223,35 @@ def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool
 class install:
     """Register ``pipeline`` (default: :func:`default_pipeline`) with Inductor.
 
-    As a context manager the previous ``post_grad_custom_post_pass`` is restored on exit::
+    As a context manager it is taken out again on exit::
 
         with passes.install():
             torch.compile(step)(...)
 
-    As a plain call it stays installed for the process (``.restore()`` undoes it). Another
-    custom post-grad pass already installed is not silently replaced: that raises.
+    As a plain call it stays installed for the process (``.restore()`` undoes it).
     ``install(verify=True)`` installs the default pipeline with differential verification;
     ``install(check_ranks=True)`` with the rank-divergence guard (:mod:`passes.rank_guard`).
-    With the guard, the context manager also re-raises the error of a rank that was blocked in a
-    collective when another rank found the divergence (the backend's "connection closed" or
-    timeout) as that ``RankDivergenceError``.
+
+    Custom post-grad passes already set in ``torch._inductor.config.post_grad_custom_post_pass``
+    stay: the pipeline runs after them (the setting becomes a list), and on exit only the
+    pipeline is taken out, so the setting is what it was. A pipeline already installed (an outer
+    ``install``) is replaced for the duration, not run twice. A custom pass that is not a
+    ``CustomGraphPass`` with a ``uuid()`` makes Inductor bypass its FX graph cache, as always.
 
     While installed, Inductor's scheduler keeps the communication schedule the passes made
-    (:mod:`passes.schedule_collectives`): its peak-memory ordering moves every wait right
-    after its collective, and in a ZeRO backward it moved every collective, with its update,
-    after the whole backward compute. So ``install`` turns that ordering off
-    (``reorder_for_peak_memory``) and turns on Inductor's own communication reordering with its
-    ``sink_waits`` pass (``torch._inductor.config.reorder_for_compute_comm_overlap[_passes]``).
-    A process that set ``reorder_for_compute_comm_overlap`` itself keeps its own settings.
-    (Inductor's ``raise_comms`` would issue collectives ahead of nodes they do not depend on,
-    the rank-divergence guard's check among them.)
+    (:mod:`passes.schedule_collectives`): unless the process set
+    ``reorder_for_compute_comm_overlap`` itself, ``install`` sets these Inductor options and
+    restores them on exit (``KEEP_SCHEDULE``):
+
+    * ``reorder_for_compute_comm_overlap = True`` with
+      ``reorder_for_compute_comm_overlap_passes = ["sink_waits"]``: waits stay late;
+    * ``reorder_for_peak_memory = False``: that ordering moves every wait right after its
+      collective, and in a ZeRO backward every collective after the whole backward compute.
+
+    Inductor's ``raise_comms`` is not used: it would issue collectives ahead of nodes they do
+    not depend on, the rank guard's check among them. With the guard, the context manager also
+    re-raises the error of a rank that was blocked in a collective when another rank found the
+    divergence (the backend's "connection closed" or timeout) as that ``RankDivergenceError``.
     """
 
     def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None,
@@ -248,21 +263,23 @@ class install:
             raise ValueError(f"install: pass {option} to the Pipeline you give, or give no pipeline")
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
-        previous = inductor_config.post_grad_custom_post_pass
-        if previous is not None and not isinstance(previous, Pipeline):
-            raise RuntimeError(
-                f"install: torch._inductor.config.post_grad_custom_post_pass is already set to {previous!r}; "
-                "add that pass to a passes.Pipeline instead of replacing it."
-            )
-        self.pipeline, self.previous = pipeline, previous
-        inductor_config.post_grad_custom_post_pass = pipeline
+        self.pipeline = pipeline
+        self.previous = inductor_config.post_grad_custom_post_pass
+        others = [p for p in get_custom_graph_passes(self.previous) if not isinstance(p, Pipeline)]
+        self.installed: Any = [*others, pipeline] if others else pipeline
+        inductor_config.post_grad_custom_post_pass = self.installed
         self.scheduling = None
         if not inductor_config.reorder_for_compute_comm_overlap:
             self.scheduling = inductor_config.patch(KEEP_SCHEDULE)
             self.scheduling.__enter__()
 
     def restore(self) -> None:
-        inductor_config.post_grad_custom_post_pass = self.previous
+        current = inductor_config.post_grad_custom_post_pass
+        if current is self.installed:
+            inductor_config.post_grad_custom_post_pass = self.previous
+        else:  # changed while installed: take out only this pipeline
+            rest = [p for p in get_custom_graph_passes(current) if p is not self.pipeline]
+            inductor_config.post_grad_custom_post_pass = rest[0] if len(rest) == 1 else (rest or None)
         if self.scheduling is not None:
             self.scheduling.__exit__(None, None, None)
             self.scheduling = None

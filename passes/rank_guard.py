@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._dynamo.utils import counters
 
-__all__ = ["RankDivergenceError", "check_ranks", "unraised_verdict"]
+__all__ = ["RankDivergenceError", "check", "unraised_verdict"]
 
 log = logging.getLogger("passes.rank_guard")
 POLL_SECONDS = 0.2  # watchdog period; also the longest a check waits between store reads
@@ -113,9 +113,9 @@ def unraised_verdict() -> Optional[RankDivergenceError]:
     return None if group is None else group.error()
 
 
-@torch.library.custom_op("compiled_hooks::check_ranks", mutates_args=())
-def check_ranks(record: str) -> None:
-    """Check ``record`` (JSON, see :mod:`passes.insert_rank_guard`) against the other ranks."""
+def check(record: str) -> None:
+    """What ``torch.ops.compiled_hooks.check_ranks(record)`` does (:mod:`compiled_hooks.ops`):
+    check ``record`` (JSON, see :mod:`passes.insert_rank_guard`) against the other ranks."""
     global _world
     if c10d._world.default_pg is not _world:  # a new default group: group names start over
         with _lock:
@@ -130,14 +130,6 @@ def check_ranks(record: str) -> None:
             raise group.error()
         group.history.append((group.issued, entries))
         group.issued += len(entries)
-
-
-@check_ranks.register_fake
-def _(record: str) -> None:
-    return None
-
-
-torch.fx.node.has_side_effect(torch.ops.compiled_hooks.check_ranks.default)
 
 
 def _comparable(entry: list) -> list:

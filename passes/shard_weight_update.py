@@ -43,9 +43,8 @@ from ._graph import (
 
 PASS = "shard_weight_update"
 # Backends on which the rewrite pays: NCCL's reduce_scatter and all_gather each move half the
-# bytes of an all_reduce. "fake" is the test backend. On gloo each costs about as much as the
-# all_reduce (16 MB fp32 on a 2 Gbit/s link: all_reduce 70 ms, reduce_scatter 91 ms,
-# all_gather 61 ms, broadcast 71 ms), so gloo graphs are left alone unless asked for
+# bytes of an all_reduce. "fake" is the test backend. On gloo a reduce_scatter costs at least
+# as much as the all_reduce (docs/benchmarks.md), so gloo graphs are left alone unless asked for
 # (all_to_all_weight_update makes the same exchange there out of chunked all_to_all).
 SHARD_BACKENDS = frozenset({"nccl", "fake"})
 _WHY_NOT = {"gloo": "its reduce_scatter costs more than its all_reduce; all_to_all_weight_update covers gloo, "

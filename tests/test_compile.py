@@ -67,6 +67,7 @@ def compiled_worker(rank, world_size):
     return eager_out, compiled_out
 
 
+@pytest.mark.slow
 def test_compiled_equals_eager_on_two_ranks():
     for rank, (eager_out, compiled_out) in enumerate(run_ranks(compiled_worker, 2)):
         for i, (e, c) in enumerate(zip(eager_out, compiled_out)):

@@ -103,6 +103,7 @@ def compiled_worker(rank, world_size, steps):
     return history, [p.detach().clone() for p in net.parameters()], counters
 
 
+@pytest.mark.slow
 def test_compiled_ddp_bf16_hook():
     ranks = run_ranks(compiled_worker, 2, 4, timeout=300)
     (hist0, params0, counters0), (hist1, params1, _) = ranks

@@ -6,6 +6,7 @@ without passes, and checks that no scale is left around any collective.
 
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
@@ -60,6 +61,7 @@ def e2e_worker(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_compiled_ddp_with_pipeline():
     ranks = run_ranks(e2e_worker, 2, timeout=400)
     for rank, out in enumerate(ranks):

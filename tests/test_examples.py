@@ -6,6 +6,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each runs an example: several ranks compiling for 20-40 s
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GUARD = {"PASSES_CHECK_RANKS": "1"}
 

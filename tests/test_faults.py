@@ -71,7 +71,7 @@ def _flush(q):
     q.join_thread()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager_hook", "compiled_ddp"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager_hook", "compiled_ddp"])
 def test_dead_rank_makes_the_others_raise(compiled):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -114,6 +114,7 @@ def determinism_worker(rank, world_size, steps):
     return start, [p.detach().clone() for p in net.parameters()], bucketed
 
 
+@pytest.mark.slow
 def test_hundred_compiled_steps_stay_bitwise_identical():
     (start, end0, bucketed), (_, end1, _) = run_ranks(determinism_worker, 2, 100, timeout=400)
     assert bucketed >= 1  # the passes were in the compiled step

@@ -121,7 +121,7 @@ def subs_of(model):
     return [m for m in model.modules() if m is not model and hasattr(m, "set_custom_reduce_scatter")]
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
+@pytest.fixture(scope="module", params=[LAYOUTS[0], *(pytest.param(layout, marks=pytest.mark.slow) for layout in LAYOUTS[1:])])
 def outcomes(request):
     return run_ranks(fsdp_worker, 2, request.param, timeout=300)
 

@@ -57,7 +57,7 @@ def _scales(history):
     return [s for s, _ in history]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_torch_sharded_grad_scaler(world_size):
     ranks = run_ranks(equality_worker, world_size)
     expected = [2.0**10, 2.0**10, 2.0**9, 2.0**9, 2.0**9, 2.0**10, 2.0**9, 2.0**9, 2.0**9, 2.0**10]
@@ -83,6 +83,7 @@ def compiled_worker(rank, world_size):
     return compiled, _run(rank, ShardedGradScaler, torch.optim.SGD), graphs
 
 
+@pytest.mark.slow
 def test_compiled_fullgraph_step_matches_eager():
     for compiled, eager, graphs in run_ranks(compiled_worker, 2, timeout=400):
         assert graphs >= 2  # Dynamo compiled forward and step (fullgraph: no break, or it would have raised)

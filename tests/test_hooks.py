@@ -74,7 +74,7 @@ def numerics_worker(rank, world_size):
 TOL = {torch.float16: dict(rtol=2e-3, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5)}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hook_numerics(world_size):
     per_rank = run_ranks(numerics_worker, world_size)
     for rank, out in enumerate(per_rank):

@@ -45,15 +45,53 @@ def test_install_restores_previous_config():
     assert inductor_config.post_grad_custom_post_pass is None
 
 
-def test_install_refuses_to_replace_a_foreign_pass():
-    inductor_config.post_grad_custom_post_pass = lambda graph: None
+def test_install_runs_after_the_users_own_custom_pass_and_leaves_it_alone_on_exit():
+    fake_process_group(8)
+    seen = []
+
+    def users_pass(graph):
+        seen.append(("user", sum(1 for n in graph.nodes if "div" in str(n.target))))
+
+    inductor_config.post_grad_custom_post_pass = users_pass
     try:
-        with pytest.raises(RuntimeError, match="already set"):
-            install()
+        with install(Pipeline([fold_collective_scaling])) as pipeline:
+            assert inductor_config.post_grad_custom_post_pass == [users_pass, pipeline]
+            counters["passes"].clear()
+            torch.compile(hook_fn("bf16", sharded=False), fullgraph=True)(torch.randn(64))
+        assert inductor_config.post_grad_custom_post_pass is users_pass  # back, alone
+        assert seen and seen[0][0] == "user" and seen[0][1] > 0  # the user's pass ran (before the fold)
+        assert any(k.startswith("fold_collective_scaling") and "skipped" not in k for k in counters["passes"]), \
+            dict(counters["passes"])  # and the pipeline ran too
+        with install() as outer:
+            with install() as inner:  # a pipeline replaces a pipeline, the user's pass stays
+                assert inductor_config.post_grad_custom_post_pass == [users_pass, inner]
+            assert inductor_config.post_grad_custom_post_pass == [users_pass, outer]
+        assert inductor_config.post_grad_custom_post_pass is users_pass
+        with install() as pipeline:  # changed while installed: only the pipeline comes out
+            inductor_config.post_grad_custom_post_pass = [users_pass, pipeline, print]
+        assert inductor_config.post_grad_custom_post_pass == [users_pass, print]
         with pytest.raises(TypeError, match="expected a passes.Pipeline"):
             install(fold_collective_scaling)
     finally:
         inductor_config.post_grad_custom_post_pass = None
+
+
+@pytest.mark.parametrize("value, verify", [("1", True), ("true", True), ("TRUE", True), ("0", False),
+                                           ("false", False), ("", False), (None, False)])
+def test_environment_flags_parse_one_way(monkeypatch, value, verify):
+    for name in ("PASSES_VERIFY", "PASSES_CHECK_RANKS"):
+        monkeypatch.delenv(name, raising=False)
+    if value is not None:
+        monkeypatch.setenv("PASSES_VERIFY", value)
+    assert default_pipeline().verify is verify
+    assert default_pipeline(verify=not verify).verify is (not verify)  # an argument wins
+
+
+@pytest.mark.parametrize("name", ["PASSES_VERIFY", "PASSES_CHECK_RANKS"])
+def test_environment_flag_with_another_value_names_the_variable(monkeypatch, name):
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match=f"environment variable {name}='maybe': expected 1, 0, true or false"):
+        default_pipeline()
 
 
 def test_fx_graph_cache_entries_follow_pipeline_options():
@@ -131,3 +169,31 @@ def test_run_reports_pass_times():
     times = {k: v for k, v in counters["passes"].items() if k.endswith(": us")}
     assert set(times) == {f"{p.__name__}: us" for p in pipeline.passes} | {"pipeline: us"}
     assert 0 < sum(v for k, v in times.items() if k != "pipeline: us") <= times["pipeline: us"]
+
+
+@pytest.mark.slow
+def test_torch_logs_shows_the_passes_decisions(tmp_path):
+    """``TORCH_LOGS="+passes"`` (docs/passes.md): every decision, and one summary line per compile."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "step.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "import compiled_hooks as ch, passes\n"
+        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=8)\n"
+        "state = ch.LowPrecisionState(dist.group.WORLD)\n"
+        "def step(a, b):\n"
+        "    ch.bf16_compress_hook(state, a); ch.bf16_compress_hook(state, b)\n"
+        "with passes.install():\n"
+        "    torch.compile(step, fullgraph=True)(torch.randn(64), torch.randn(32))\n")
+    env = {**os.environ, "TORCH_LOGS": "+passes", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stderr
+    assert log.count("fold_collective_scaling: folded factors into reduce op avg at all_reduce") == 2, log[-3000:]
+    summary = [line for line in log.splitlines() if "] passes: " in line]
+    assert len(summary) == 1, log[-3000:]
+    assert "fuse_collective_casts: bucketed 2 collectives into one (x1)" in summary[0], summary

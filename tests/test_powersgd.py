@@ -135,6 +135,7 @@ def _train_eager_and_compiled(rank, world_size):
     return _train(rank, world_size, "python_reducer"), _train(rank, world_size, "compiled")
 
 
+@pytest.mark.slow
 def test_eager_and_compiled_match_reference_on_4_ranks():
     """4 ranks, one launch for both: the eager python reducer's steps and the compiled ones
     (with the passes) against the reference, ranks bitwise identical in each."""
@@ -143,12 +144,14 @@ def test_eager_and_compiled_match_reference_on_4_ranks():
         _check([r[mode] for r in ranks], 4)
 
 
+@pytest.mark.slow
 def test_compiled_with_passes_matches_reference_and_ranks_stay_identical():
     """Compiled with the passes (P, Q and the uncompressed all_reduces bucketed): the first
     steps against the reference, and 100 steps bitwise identical across the ranks."""
     _check(run_ranks(_train, 2, "compiled", 100, timeout=400), 2, steps=100)
 
 
+@pytest.mark.slow
 def test_compiled_backward_code_has_one_all_reduce_per_bucket():
     """The compressed backward that Inductor generates, with the passes: no graph break, no
     recompile once compression runs, exactly three all_reduces per step (all P, all Q, all
@@ -230,6 +233,7 @@ def _quality_worker(rank, world_size, steps):
             "torch": run(torch_psgd.PowerSGDState(dist.group.WORLD, **args), torch_psgd.powerSGD_hook)}
 
 
+@pytest.mark.slow
 def test_training_quality_against_fp32_and_torch():
     """40 steps, losses averaged over the ranks. PowerSGD trails fp32 for a few steps after it
     starts and has caught up by step 40 (the main example's check). torch's hook follows the

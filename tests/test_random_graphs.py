@@ -7,6 +7,7 @@ counts are printed in the test summary.
 import os
 import random
 
+import pytest
 from torch._dynamo.utils import counters
 
 import passes
@@ -30,6 +31,7 @@ def _pipelines(rng):
     }
 
 
+@pytest.mark.slow
 def test_random_graphs():
     rng = random.Random(SEED)
     counters["passes"].clear()

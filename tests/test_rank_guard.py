@@ -23,6 +23,8 @@ from torch._dynamo.utils import counters
 import passes
 from tests.ranks import rank_outcomes, run_ranks
 
+pytestmark = pytest.mark.slow  # every test compiles on several ranks
+
 GROUP_TIMEOUT = datetime.timedelta(seconds=10)
 
 

@@ -122,7 +122,8 @@ CASES = {
     "pipeline_not_a_pass": (lambda g: passes.Pipeline([42]), TypeError, "a pass must be callable"),
     "bucket_cap_not_positive": (
         lambda g: passes.fuse_collective_casts(_traced().graph, bucket_cap_mb=-1), ValueError, "must be positive"),
-    "install_over_a_foreign_pass": (lambda g: _install_over_foreign(), RuntimeError, "already set"),
+    "install_a_pass_not_a_pipeline": (lambda g: passes.install(passes.fold_collective_scaling), TypeError,
+                                      "expected a passes.Pipeline"),
     "trace_with_other_world_size": (
         lambda g: passes.testing.trace(lambda x: x, torch.ones(1), world_size=8), ValueError,
         "a gloo process group of size 2 is initialized"),
@@ -190,7 +191,9 @@ CASES = {
     "check_ranks_not_a_bool": (lambda g: passes.install(check_ranks="yes"), TypeError,
                                "check_ranks must be True, False or None"),
     "check_ranks_env_not_a_flag": (lambda g: _with_env("PASSES_CHECK_RANKS", "on", passes.default_pipeline),
-                                   ValueError, "PASSES_CHECK_RANKS='on': expected 1 or 0"),
+                                   ValueError, "environment variable PASSES_CHECK_RANKS='on': expected 1, 0, true or false"),
+    "verify_env_not_a_flag": (lambda g: _with_env("PASSES_VERIFY", "maybe", passes.default_pipeline),
+                              ValueError, "environment variable PASSES_VERIFY='maybe': expected 1, 0, true or false"),
     "check_ranks_with_a_pipeline": (
         lambda g: passes.install(passes.Pipeline([passes.fold_collective_scaling]), check_ranks=True), ValueError,
         "pass check_ranks= to the Pipeline you give"),
@@ -282,14 +285,6 @@ def _with_python_reducer_flag(fn):
         return fn()
     finally:
         torch._dynamo.config.optimize_ddp = before
-
-
-def _install_over_foreign():
-    torch._inductor.config.post_grad_custom_post_pass = print
-    try:
-        passes.install()
-    finally:
-        torch._inductor.config.post_grad_custom_post_pass = None
 
 
 def _with_env(name, value, fn):

@@ -1,7 +1,6 @@
 """ZeroOptimizer and the ZeRO hooks on 2 and 4 gloo ranks, against a single-process unsharded
 torch.optim optimizer fed the averaged gradients."""
 
-import copy
 import itertools
 
 import pytest
@@ -189,11 +188,12 @@ def check(outcomes, world_size, net="uneven"):
             assert got["state_bytes"] <= 1.1 * share + slack, (key, got["state_bytes"], share, slack)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_eager_ddp_matches_unsharded_optimizer(world_size):
     check(run_ranks(zero_worker, world_size, ALL, timeout=300), world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_compiled_ddp_matches_unsharded_optimizer(world_size):
     outcomes = run_ranks(zero_worker, world_size, ALL, "aot_eager", timeout=600)
@@ -207,8 +207,8 @@ def test_compiled_ddp_matches_unsharded_optimizer(world_size):
         assert all(out[key]["codes"] == got["codes"] for out in outcomes), key
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_sharded_update_matches_unsharded_optimizer(world_size, compiled):
     """Whole parameters, a bucket laid out for the sharded update (each rank computes its own
     row's update only, every rank applies the broadcast rows) whose shorter rows' tails hold
@@ -361,6 +361,7 @@ def test_traced_whole_parameter_step_computes_only_this_ranks_row(optimizer, kw)
     assert max(sizes) == length and sizes <= {length, 1, len(shapes)}, sizes
 
 
+@pytest.mark.slow
 def test_inductor_with_the_passes_matches_unsharded_optimizer():
     """Real Inductor compiles with the ZeRO passes installed, run on gloo: the schedule pass ran
     on both; with shard_buckets (shard_weight_update forced) the all_reduce + broadcasts became
@@ -392,6 +393,7 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
         assert not any(k.startswith("all_gather_as_all_to_all: skipped") for k in {**sharded, **whole}), (sharded, whole)
 
 
+@pytest.mark.slow
 def test_inductor_sharded_update_with_the_passes_matches_unsharded_optimizer():
     """The production path on gloo: AdamW with whole parameters, the sharded update (each rank
     its own row's deltas), compiled by Inductor with the default pipeline (all_reduce + delta
@@ -504,7 +506,7 @@ def partial_step_worker(rank, world_size, compiled):
     return runs
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_sharded_update_falls_back_where_a_bucket_steps_unevenly(compiled):
     """The sharded update reads one step count per bucket; once one member steps alone
     (``update`` of one parameter), its bucket's members no longer share it, and every later

@@ -1,0 +1,81 @@
+"""Every custom op of this distribution, in one place (namespace ``compiled_hooks``).
+
+Traced code calls these ops so that what must happen when a graph *runs* stays in the graph,
+and passes recognise them by their overloads (``GROUP_RANK`` ...). Each op's schema and fake
+(meta) implementation is here; where the real work belongs to a module (PowerSGD's state, the
+rank guard's protocol), the op calls into it.
+
+* ``group_rank(group_name, device) -> int64[1]``: this process's rank in the group, read at run
+  time, so a graph that indexes by it is the same graph on every rank, and a pass can prove
+  that an index is "this rank" by finding this op.
+* ``powersgd_count(grad, state_id, slot, q_rows, q_cols) -> Q``: counts one PowerSGD hook call
+  when the graph runs and returns the Q its power iteration starts from
+  (:mod:`compiled_hooks.powersgd`). Has a side effect: never dead-code eliminated.
+* ``powersgd_fold_error(error!, grad)``: ``error += grad`` in place, declared as mutating
+  ``error`` so that Inductor writes into the error buffer instead of a fresh one.
+* ``check_ranks(record)``: the rank-divergence guard's check at a graph's start
+  (:mod:`passes.rank_guard`, imported on the first call). Has a side effect.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+__all__ = ["group_rank", "GROUP_RANK", "POWERSGD_COUNT", "POWERSGD_FOLD_ERROR", "CHECK_RANKS"]
+
+
+@torch.library.custom_op("compiled_hooks::group_rank", mutates_args=())
+def group_rank(group_name: str, device: torch.device) -> torch.Tensor:
+    """This rank's index in the process group named ``group_name``, as ``int64[1]`` on ``device``."""
+    group = c10d._resolve_process_group(group_name)
+    return torch.full((1,), group.rank(), dtype=torch.int64, device=device)  # a fill, no host-to-device copy
+
+
+@group_rank.register_fake
+def _(group_name: str, device: torch.device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("compiled_hooks::powersgd_count", mutates_args=())
+def powersgd_count(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int) -> torch.Tensor:
+    """Count one hook call of ``slot`` for the PowerSGD state ``state_id`` and return the Q
+    (``q_rows x q_cols``) this call starts from; empty for a call that does not compress.
+    Returning Q ties the read of the state to this call's place in the graph."""
+    from . import powersgd
+
+    return powersgd.counted(state_id, slot, grad, q_rows, q_cols)
+
+
+@powersgd_count.register_fake
+def _(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int) -> torch.Tensor:
+    return grad.new_empty(q_rows, q_cols)
+
+
+@torch.library.custom_op("compiled_hooks::powersgd_fold_error", mutates_args=("error",))
+def powersgd_fold_error(error: torch.Tensor, grad: torch.Tensor) -> None:
+    """``error += grad``, in place."""
+    error.add_(grad)
+
+
+@torch.library.custom_op("compiled_hooks::check_ranks", mutates_args=())
+def check_ranks(record: str) -> None:
+    """Check ``record`` (JSON, see :mod:`passes.insert_rank_guard`) against the other ranks."""
+    from passes import rank_guard  # the guard's protocol; passes depends on this package, not back
+
+    rank_guard.check(record)
+
+
+@check_ranks.register_fake
+def _(record: str) -> None:
+    return None
+
+
+GROUP_RANK = torch.ops.compiled_hooks.group_rank.default
+POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default
+POWERSGD_FOLD_ERROR = torch.ops.compiled_hooks.powersgd_fold_error.default
+CHECK_RANKS = torch.ops.compiled_hooks.check_ranks.default
+
+# The count and the check matter even where nothing reads their results.
+torch.fx.node.has_side_effect(POWERSGD_COUNT)
+torch.fx.node.has_side_effect(CHECK_RANKS)
