@@ -112,7 +112,8 @@ class PowerSGDState:
         matrix_approximation_rank: rank ``r`` of the approximation ``P Q^T`` (>= 1).
         start_powerSGD_iter: steps averaged uncompressed before compression starts; must be
             > 1 with error feedback or warm start, as in the original.
-        min_compression_rate: compress a gradient only if it shrinks more than this.
+        min_compression_rate: compress a gradient only if it shrinks more than this (0 or
+            below: every matrix).
         use_error_feedback: add each step's compression error to the next step's gradient.
         warm_start: start each step's power iteration from the last step's Q.
         orthogonalization_epsilon: added to each column's norm when orthogonalizing.
@@ -143,11 +144,11 @@ class PowerSGDState:
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
             raise ValueError("PowerSGDState: start_powerSGD_iter must be > 1 with use_error_feedback or warm_start "
                              "(the state is set up from the first steps' gradients), as in the original")
-        if not isinstance(min_compression_rate, (int, float)) or not min_compression_rate > 0:
-            raise ValueError(f"PowerSGDState: min_compression_rate must be a positive number, got {min_compression_rate!r}")
-        if not isinstance(orthogonalization_epsilon, (int, float)) or not orthogonalization_epsilon >= 0:
-            raise ValueError("PowerSGDState: orthogonalization_epsilon must be a number >= 0, "
-                             f"got {orthogonalization_epsilon!r}")
+        # Any number, with the original's meaning: a rate of 0 or below compresses every matrix.
+        for name, value in (("min_compression_rate", min_compression_rate),
+                            ("orthogonalization_epsilon", orthogonalization_epsilon)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"PowerSGDState: {name} must be a number, got {value!r}")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.matrix_approximation_rank = matrix_approximation_rank

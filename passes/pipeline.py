@@ -24,7 +24,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
@@ -85,6 +85,11 @@ def summary(before: dict[str, int], after: dict[str, int], nodes: int, us: int) 
     events = [f"{k} (x{after[k] - before.get(k, 0)})" for k in after
               if not k.endswith(": us") and after[k] != before.get(k, 0)]
     return f"passes: {nodes} nodes, {us / 1e3:.1f} ms: " + ("; ".join(events) or "nothing to do")
+
+
+def _custom_passes(setting: Any) -> list:
+    """The passes an Inductor custom-pass setting holds: None, one pass, or a list of them."""
+    return [] if setting is None else list(setting) if isinstance(setting, (list, tuple)) else [setting]
 
 
 def _us(since: float) -> int:
@@ -265,7 +270,7 @@ class install:
             raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
         self.previous = inductor_config.post_grad_custom_post_pass
-        others = [p for p in get_custom_graph_passes(self.previous) if not isinstance(p, Pipeline)]
+        others = [p for p in _custom_passes(self.previous) if not isinstance(p, Pipeline)]
         self.installed: Any = [*others, pipeline] if others else pipeline
         inductor_config.post_grad_custom_post_pass = self.installed
         self.scheduling = None
@@ -278,7 +283,7 @@ class install:
         if current is self.installed:
             inductor_config.post_grad_custom_post_pass = self.previous
         else:  # changed while installed: take out only this pipeline
-            rest = [p for p in get_custom_graph_passes(current) if p is not self.pipeline]
+            rest = [p for p in _custom_passes(current) if p is not self.pipeline]
             inductor_config.post_grad_custom_post_pass = rest[0] if len(rest) == 1 else (rest or None)
         if self.scheduling is not None:
             self.scheduling.__exit__(None, None, None)

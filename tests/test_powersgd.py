@@ -249,3 +249,22 @@ def test_training_quality_against_fp32_and_torch():
         assert abs(ours - theirs) <= 0.03 * theirs, (step, ours, theirs)
     ours, theirs = sum(loss["ours"][-5:]), sum(loss["torch"][-5:])
     assert abs(ours - theirs) <= 0.02 * theirs, (ours / 5, theirs / 5)
+
+
+def test_state_takes_every_value_torchs_takes(fake_pg):
+    """torch's PowerSGDState accepts any number for min_compression_rate (0: compress every
+    matrix, however small) and orthogonalization_epsilon; so does this one, with that meaning."""
+    from compiled_hooks.powersgd import _should_compress
+
+    assert not _should_compress(torch.Size([4, 4]), 1, 2)[0]  # (4 + 4) * 1 * 2 = 16: not < 16
+    assert _should_compress(torch.Size([4, 4]), 1, 0)[0]
+    state = PowerSGDState(fake_pg, start_powerSGD_iter=0, use_error_feedback=False, warm_start=False,
+                          min_compression_rate=0, orthogonalization_epsilon=-1e-8)
+    grad = torch.randn(4, 4)
+    powerSGD_hook(state, grad)
+    rate, before, after = state.compression_stats()
+    assert (before, after) == (16, 8) and rate == 2.0  # the 4 x 4 gradient went out as P and Q
+    with pytest.raises(TypeError, match="min_compression_rate must be a number, got '2'"):
+        PowerSGDState(fake_pg, start_powerSGD_iter=2, min_compression_rate="2")
+    with pytest.raises(ValueError, match="matrix_approximation_rank must be >= 1"):  # torch: P of 0 columns
+        PowerSGDState(fake_pg, start_powerSGD_iter=2, matrix_approximation_rank=0)
