@@ -89,8 +89,8 @@ def plot(results: dict[str, Any], path: str) -> None:
     for ax, t in zip(axes[:, 0], tables):
         names = [r["config"] for r in t["rows"]][::-1]
         values = [r[t["value"]] for r in t["rows"]][::-1]
-        bars = ax.barh(names, values, color=["#4c72b0" if "passes" in n or "compiled ZeRO" in n or "data_parallel" in n
-                                             else "#a0a0a0" for n in names])
+        bars = ax.barh(names, values, color=["#4c72b0" if "passes" in n or "compiled ZeRO" in n else "#a0a0a0"
+                                             for n in names])
         if t["ratio"]:
             labels = [f"{v:.1f}  ({r[t['ratio']]:.2f}x)" for v, r in zip(values, t["rows"][::-1])]
             ax.bar_label(bars, labels=labels, padding=3, fontsize=8)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["group_rank", "GROUP_RANK", "POWERSGD_COUNT", "POWERSGD_FOLD_ERROR", "CHECK_RANKS"]
+__all__ = ["group_rank", "GROUP_RANK", "POWERSGD_COUNT", "CHECK_RANKS"]
 
 
 @torch.library.custom_op("compiled_hooks::group_rank", mutates_args=())
@@ -73,7 +73,6 @@ def _(record: str) -> None:
 
 GROUP_RANK = torch.ops.compiled_hooks.group_rank.default
 POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default
-POWERSGD_FOLD_ERROR = torch.ops.compiled_hooks.powersgd_fold_error.default
 CHECK_RANKS = torch.ops.compiled_hooks.check_ranks.default
 
 # The count and the check matter even where nothing reads their results.

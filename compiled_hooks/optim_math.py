@@ -29,9 +29,9 @@ def step_scalars(hp: Hp, steps: torch.Tensor) -> torch.Tensor:
 
     Computed once for a bucket of parameters, so that a compiled update reads three scalars per
     parameter: computed inside each parameter's update, Inductor's CPU kernels evaluate the two
-    float64 powers once per vector of 8 elements. ``exp(t * log(beta))`` rather than ``beta**t``: Inductor keeps
-    a result with ``exp`` that has several readers in a buffer of its own instead of inlining it
-    into each reader; the two agree to float64 rounding."""
+    float64 powers once per vector of 8 elements. ``exp(t * log(beta))`` rather than
+    ``beta**t``: Inductor keeps a result with ``exp`` that has several readers in a buffer of its
+    own instead of inlining it into each reader; the two agree to float64 rounding."""
     beta1, beta2 = hp.get("betas", (0.0, 0.0))
     bias_correction1 = 1 - torch.exp(steps * math.log(beta1)) if beta1 > 0 else torch.ones_like(steps)
     bias_correction2 = 1 - torch.exp(steps * math.log(beta2)) if beta2 > 0 else torch.ones_like(steps)

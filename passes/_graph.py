@@ -50,9 +50,9 @@ SCALE_OPS = MUL_OPS + DIV_OPS
 # Backends where reduce op avg is worth folding into: NCCL averages inside the collective.
 # gloo implements avg too (torch 2.13), but as a sum followed by a division pass over the
 # result in the wire dtype, issued after the wire time, which costs more than the multiplication
-# it saves (docs/benchmarks.md). There the factors become
-# one multiplication before the cast, inside the cast's kernel. "fake" is the test backend
-# (no communication; it stands for NCCL in traced graphs).
+# it saves (docs/benchmarks.md). There the factors become one multiplication before the cast,
+# inside the cast's kernel. "fake" is the test backend (no communication; it stands for NCCL in
+# traced graphs).
 AVG_BACKENDS = frozenset({"nccl", "fake"})
 
 

@@ -155,7 +155,7 @@ class Pipeline(CustomGraphPass):
 
     def _run(self, graph: Graph) -> bool:
         started = time.perf_counter()
-        counted = {k: v for k, v in counters["passes"].items() if not k.endswith(": us")}
+        counted = dict(counters["passes"]) if log.isEnabledFor(logging.INFO) else None  # for the summary line
         # Inductor's own DDP pass (schedule_comm_wait) can hand over a graph whose nodes are not
         # in topological order (Inductor sorts only after the custom pass); sort it first, the
         # same stable way, so the passes see a valid order.
@@ -177,9 +177,10 @@ class Pipeline(CustomGraphPass):
             t0 = time.perf_counter()
             changed |= insert_rank_guard(graph)
             counters["rank_guard"]["pass us"] += _us(t0)
-        counters["passes"]["pipeline: us"] += _us(started)
-        if log.isEnabledFor(logging.INFO):
-            log.info("%s", summary(counted, counters["passes"], len(graph.nodes), _us(started)))
+        us = _us(started)
+        counters["passes"]["pipeline: us"] += us
+        if counted is not None:
+            log.info("%s", summary(counted, counters["passes"], len(graph.nodes), us))
         return changed
 
     def uuid(self) -> Optional[str]:
