@@ -92,7 +92,8 @@ def plot(results: dict[str, Any], path: str) -> None:
         bars = ax.barh(names, values, color=["#4c72b0" if "passes" in n or "compiled ZeRO" in n else "#a0a0a0"
                                              for n in names])
         if t["ratio"]:
-            labels = [f"{v:.1f}  ({r[t['ratio']]:.2f}x)" for v, r in zip(values, t["rows"][::-1])]
+            labels = [f"{v:.1f}" + ("" if r[t["ratio"]] is None else f"  ({r[t['ratio']]:.2f}x)")
+                      for v, r in zip(values, t["rows"][::-1])]
             ax.bar_label(bars, labels=labels, padding=3, fontsize=8)
         if t.get("bound_ms"):
             ax.axvline(t["bound_ms"], color="#c44e52", linestyle="--", linewidth=1)

@@ -2,8 +2,10 @@
 
 DDP calls a comm hook in two ways:
 
-* C++ reducer (eager DDP): ``hook(state, bucket: GradBucket) -> Future[Tensor]``, once per
-  bucket; the future must hold the bucket's new flat buffer.
+* C++ reducer (eager DDP, and ``torch.compile(DDP)`` with Dynamo's default
+  ``optimize_ddp="ddp_optimizer"``): ``hook(state, bucket: GradBucket) -> Future[Tensor]``,
+  once per bucket, in bucket order; the future must hold the bucket's new flat buffer, and
+  the backward goes on while it is pending.
 * Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, backward under
   compiled autograd): ``hook(state, (param.grad, param))`` once per parameter, return value
   ignored; the hook must update ``param.grad`` in place. Compiled autograd traces these calls
@@ -32,13 +34,20 @@ __all__ = ["ddp_comm_hook", "compile_ddp", "compiled_autograd"]
 def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     """Wrap ``hook(state, grad)`` for ``DistributedDataParallel.register_comm_hook(state, ...)``.
 
-    The wrapper's second parameter is named ``bucket`` (DDP checks that name). With a
-    ``GradBucket`` it runs ``hook`` on the bucket's flat buffer and returns a completed future
-    of it; with ``(grad, param)`` (python reducer) it runs ``hook`` on ``grad`` in place.
+    The wrapper's second parameter is named ``bucket`` (DDP checks that name).
+
+    * With a ``GradBucket`` (C++ reducer) it returns a pending future, as torch's own hooks do:
+      this package's hooks have an async form (``hook.reduce_async``) that issues the bucket's
+      collective and runs the rest (post-division, the cast back) as the future's
+      continuation, so DDP goes on with the backward while the bucket is on the wire. Any
+      other ``hook(state, grad)`` runs to completion on the bucket's flat buffer, and the
+      returned future is already done.
+    * With ``(grad, param)`` (python reducer) it runs ``hook`` on ``grad`` in place.
+
     Hooks that need an ``output`` shard (``reduce_scatter_hook``) are refused: DDP all-reduces.
     A hook with a keyword parameter ``param`` keeps state per parameter
     (:func:`compiled_hooks.powersgd.powerSGD_hook`): it is called once per gradient with its
-    parameter, in both modes (on each of a bucket's gradients, views of the bucket's buffer).
+    parameter (python reducer), or given the whole bucket (its async form).
     """
     if not callable(hook):
         raise TypeError(f"ddp_comm_hook: hook must be callable, got {type(hook).__name__}.")
@@ -50,6 +59,7 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
         )
 
     per_parameter = "param" in inspect.signature(hook).parameters
+    reduce_async = getattr(hook, "reduce_async", None)
 
     # No annotations (and no functools.wraps, which would copy the hook's): DDP accepts only
     # GradBucket / Future[Tensor] ones, and this wrapper also takes (grad, param) tuples.
@@ -60,15 +70,15 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
             else:
                 hook(state, bucket[0])
             return None
+        if reduce_async is not None:  # per parameter: it takes the bucket; else its flat buffer
+            return reduce_async(state, bucket if per_parameter else bucket.buffer())
         buffer = bucket.buffer()
         if per_parameter:  # the bucket's gradients are views of its buffer
             for grad, param in zip(bucket.gradients(), bucket.parameters()):
                 hook(state, grad, param=param)
         else:
             hook(state, buffer)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(buffer)
-        return fut
+        return completed(buffer)
 
     # DDP refuses any hook named "bf16_compress_hook" unless CUDA+NCCL is present, and reads
     # __qualname__ for its logs; a distinct name keeps both right.
@@ -77,6 +87,13 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     ddp_hook.__doc__ = hook.__doc__
     ddp_hook.tensor_hook = hook  # what hook_with_zero_step unwraps: it reduces its own buckets
     return ddp_hook
+
+
+def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future already done, holding ``t``."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(t)
+    return fut
 
 
 def compile_ddp(

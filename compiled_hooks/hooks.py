@@ -4,8 +4,8 @@ Same names, arguments and numerics as
 ``torch.distributed.algorithms._comm_hooks.default_hooks``; what differs is how they are
 built: every collective is a ``torch.distributed._functional_collectives`` call and every
 result is written back with ``copy_``, so ``torch.compile(fullgraph=True)`` traces a hook
-whole and Inductor fuses the division and casts around the collective. No ``.data`` swaps,
-no streams, no futures: the hooks run the same on CPU (gloo) and CUDA (NCCL).
+whole and Inductor fuses the division and casts around the collective. No ``.data`` swaps
+and no streams: the hooks run the same on CPU (gloo) and CUDA (NCCL).
 
 In-place contract (as the original): ``allreduce_hook`` and the compression hooks without
 ``output`` leave the averaged gradient in ``grad``; with ``output`` they leave this rank's
@@ -20,6 +20,13 @@ Numerics, with ``pre``/``post`` from the state (``pre * post == world_size``)::
     reduce_scatter_hook: output = shard(sum_r(grad_r / pre)) / post
     fp16/bf16 hooks:     dst    = (sum_r((grad_r / pre).to(wire)) / post).to(parameter_type)
 
+Every all-reduce hook also has a form for DDP's C++ reducer, ``hook.reduce_async(state, grad)
+-> Future[Tensor]``, built from the same two halves (``_to_wire`` before the collective,
+``_from_wire`` after it): it pre-divides (in place, or into the wire tensor), issues an async
+all_reduce and returns a future whose continuation post-divides and writes the result back
+into ``grad``; the future completes with ``grad``, holding the same values, bit for bit, as
+the hook.
+
 The compression hooks pre-divide before the cast, so a gradient above fp16's range that
 fits after the division no longer overflows (the original casts first), and post-divide in
 the wire dtype, like the original.
@@ -27,9 +34,11 @@ the wire dtype, like the original.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from . import validation
@@ -38,27 +47,56 @@ from .state import DefaultState, LowPrecisionState
 __all__ = ["allreduce_hook", "reduce_scatter_hook", "fp16_compress_hook", "bf16_compress_hook"]
 
 
-def _pre_divide(state: DefaultState, t: torch.Tensor, wire: Optional[torch.dtype]) -> torch.Tensor:
-    if state.gradient_predivide_factor > 1:
-        t = t / state.gradient_predivide_factor
-    return t if wire is None else t.to(wire)
+def _to_wire(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dtype],
+             inplace: bool = False) -> torch.Tensor:
+    """Before the collective: ``grad / pre``, in the ``wire`` dtype (``None``: ``grad``'s).
+    ``inplace`` (eager only) divides ``grad`` itself when the wire dtype is ``grad``'s (the C++
+    reducer's bucket, which the result overwrites), else writes the quotient straight into the
+    wire tensor: one pass, the same values."""
+    pre = state.gradient_predivide_factor
+    if pre == 1:
+        return grad if wire is None else grad.to(wire)
+    if not inplace:
+        return grad / pre if wire is None else (grad / pre).to(wire)
+    if wire is None or wire == grad.dtype:
+        return grad.div_(pre)
+    return torch.div(grad, pre, out=torch.empty_like(grad, dtype=wire))
 
 
-def _post_divide(state: DefaultState, t: torch.Tensor) -> torch.Tensor:
+def _from_wire(state: DefaultState, summed: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """After the collective: ``summed / post``, in the wire dtype. ``inplace`` divides ``summed``
+    itself (a collective's output that nothing else reads)."""
     if state.gradient_postdivide_factor > 1:
-        t = t / state.gradient_postdivide_factor
-    return t
+        post = state.gradient_postdivide_factor
+        summed = summed.div_(post) if inplace else summed / post
+    return summed
 
 
 def _all_reduce(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dtype] = None) -> torch.Tensor:
-    t = fcol.all_reduce(_pre_divide(state, grad, wire), "sum", state.process_group)
-    return _post_divide(state, t)
+    t = fcol.all_reduce(_to_wire(state, grad, wire), "sum", state.process_group)
+    return _from_wire(state, t)
 
 
 def _reduce_scatter(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dtype] = None) -> torch.Tensor:
-    flat = _pre_divide(state, grad, wire).reshape(-1)
+    flat = _to_wire(state, grad, wire).reshape(-1)
     t = fcol.reduce_scatter_single(flat, "sum", 0, state.process_group)
-    return _post_divide(state, t)
+    return _from_wire(state, t)
+
+
+def _all_reduce_future(state: DefaultState, grad: torch.Tensor,
+                       wire: Optional[torch.dtype] = None) -> torch.futures.Future[torch.Tensor]:
+    """:func:`_all_reduce` into ``grad`` with an async collective: ``grad`` is divided in place,
+    the all_reduce is issued, and the post-division and the copy back into ``grad`` run as the
+    returned future's continuation, which completes with ``grad``. The same values as the
+    functional form, bit for bit."""
+    t = _to_wire(state, grad, wire, inplace=True)
+    work = dist.all_reduce(t, dist.ReduceOp.SUM, group=state.process_group, async_op=True)
+
+    def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        summed = _from_wire(state, fut.value()[0], inplace=True)
+        return grad if summed is grad else grad.copy_(summed)
+
+    return work.get_future().then(finish)
 
 
 def allreduce_hook(state: DefaultState, grad: torch.Tensor) -> None:
@@ -66,6 +104,12 @@ def allreduce_hook(state: DefaultState, grad: torch.Tensor) -> None:
     validation.check_state("allreduce_hook", state)
     validation.check_tensor("allreduce_hook", "grad", grad)
     grad.copy_(_all_reduce(state, grad))
+
+
+def _allreduce_async(state: DefaultState, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    validation.check_state("allreduce_hook", state)
+    validation.check_tensor("allreduce_hook", "grad", grad)
+    return _all_reduce_future(state, grad)
 
 
 def reduce_scatter_hook(state: DefaultState, grad: torch.Tensor, output: torch.Tensor) -> None:
@@ -102,6 +146,14 @@ def _low_precision_hook(
         output.copy_(_reduce_scatter(state, grad, wire).view(output.shape).to(state.parameter_type))
 
 
+def _low_precision_async(name: str, wire: torch.dtype, state: LowPrecisionState,
+                         grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    validation.check_state(name, state, low_precision=True)
+    validation.check_tensor(name, "grad", grad)
+    validation.check_dtype(name, "grad", grad, state.parameter_type)
+    return _all_reduce_future(state, grad, wire)
+
+
 def fp16_compress_hook(
     state: LowPrecisionState, grad: torch.Tensor, output: Optional[torch.Tensor] = None
 ) -> None:
@@ -118,3 +170,11 @@ def bf16_compress_hook(
 ) -> None:
     """Same as :func:`fp16_compress_hook`, communicating in bfloat16."""
     _low_precision_hook("bf16_compress_hook", torch.bfloat16, state, grad, output)
+
+
+# The C++ reducer's form of each all-reduce hook (see the module docstring).
+allreduce_hook.reduce_async = _allreduce_async  # type: ignore[attr-defined]
+fp16_compress_hook.reduce_async = functools.partial(  # type: ignore[attr-defined]
+    _low_precision_async, "fp16_compress_hook", torch.float16)
+bf16_compress_hook.reduce_async = functools.partial(  # type: ignore[attr-defined]
+    _low_precision_async, "bf16_compress_hook", torch.bfloat16)

@@ -46,17 +46,20 @@ Where this differs from the original, by design:
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from . import ops, validation
+from .in_order import InOrder
 
-__all__ = ["PowerSGDState", "powerSGD_hook"]
+__all__ = ["PowerSGDState", "powerSGD_hook", "reduce_bucket_async"]
 
 _STATES: "weakref.WeakValueDictionary[int, PowerSGDState]" = weakref.WeakValueDictionary()
 _IDS = itertools.count()
@@ -164,6 +167,7 @@ class PowerSGDState:
         self._slots: dict[int, _Slot] = {}
         self._per_step: Optional[int] = None  # hook calls per step, known after the first step
         self._seen: set[int] = set()  # slots called in this step
+        self._in_order = InOrder()  # the C++ reducer's form issues its collectives through it
         self._id = next(_IDS)
         _STATES[self._id] = self
 
@@ -306,20 +310,31 @@ def _low_rank_products(p: torch.Tensor, qt: torch.Tensor) -> tuple[torch.Tensor,
     return _total(terms), _total(terms[::-1])
 
 
-def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[torch.Tensor] = None) -> None:
-    """Average ``grad`` across ``state.process_group`` in place, PowerSGD-compressed once
-    ``state.start_powerSGD_iter`` steps are done (see the module docstring).
+AVERAGE, SUM, LOW_RANK = "average", "sum", "low rank"  # how a call reduces its gradient
 
-    ``param`` is the parameter ``grad`` belongs to (DDP's adapter :func:`ddp_comm_hook` passes
-    it): the state is kept per parameter. Called without it, the state is kept per ``grad``
-    tensor, which must then be the same tensor every step.
-    """
+
+class _Call:
+    """One gradient's hook call between the halves around its collectives. ``kind``: before
+    compression starts, ``AVERAGE`` (``all_reduce(grad / N)``); a gradient not worth compressing,
+    ``SUM`` (``all_reduce(grad) / N``); else ``LOW_RANK``, with ``m`` (the gradient as a matrix,
+    plus the error), ``q_hat`` (the orthogonalized Q) and the slot's buffers."""
+
+    __slots__ = ["grad", "kind", "m", "q_hat", "error", "warm_q"]
+
+    def __init__(self, grad: torch.Tensor, kind: str, m: Optional[torch.Tensor] = None,
+                 q_hat: Optional[torch.Tensor] = None, error: Optional[torch.Tensor] = None,
+                 warm_q: Optional[torch.Tensor] = None):
+        self.grad, self.kind, self.m, self.q_hat, self.error, self.warm_q = grad, kind, m, q_hat, error, warm_q
+
+
+def _begin(state: PowerSGDState, grad: torch.Tensor, param: Optional[torch.Tensor], eager: bool = False) -> _Call:
+    """Everything before the first collective: checks, the call's count, ``M`` and ``Q``.
+    ``eager``: never traced (the C++ reducer's form), so the count needs no custom op."""
     name = "powerSGD_hook"
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"{name}: state must be a PowerSGDState, got {type(state).__name__}.")
     validation.check_tensor(name, "grad", grad)
     slot = _slot(state, grad if param is None else param)
-    group, n_ranks = state.process_group, state.world_size
     compressing = state.compressing  # read first: this very call may switch compression on
     compress, _, _ = _should_compress(grad.shape, state.matrix_approximation_rank, state.min_compression_rate)
     s = state._slots.get(slot)  # None only in the first step
@@ -327,26 +342,148 @@ def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[t
         raise ValueError(f"{name}: gradient of shape {tuple(grad.shape)} for a parameter whose gradient had shape "
                          f"{tuple(s.shape)}")
     q_shape = _Slot.q_shape_of(grad.shape, state.matrix_approximation_rank) if compressing and compress else (0, 0)
-    q0 = ops.powersgd_count(grad, state._id, slot, *q_shape)
+    if eager:  # what the op runs, without its dispatch
+        q0 = state._counted(slot, grad, *q_shape)
+    else:  # traced, the count must happen when the graph runs
+        q0 = ops.powersgd_count(grad, state._id, slot, *q_shape)
     if not compressing:
-        grad.copy_(fcol.all_reduce(grad / n_ranks, "sum", group))
-        return
+        return _Call(grad, AVERAGE)
     if not compress:
-        grad.copy_(fcol.all_reduce(grad, "sum", group) / n_ranks)
-        return
+        return _Call(grad, SUM)
     error = s.error if s is not None else None
-    warm_q = s.q if s is not None else None
     local = grad.reshape(grad.shape[0], -1)
     m = local if error is None else _fold_error(error, local)
-    # Q is kept transposed (r x m) and M^T P computed as (P^T M)^T with P^T made contiguous, so
-    # both products are row-major GEMMs over M (a GEMM through a transposed view is far slower).
-    eps = state.orthogonalization_epsilon
-    q_hat = orthogonalize(q0, eps, dim=0).t()
-    p = orthogonalize(fcol.all_reduce(m @ q_hat, "sum", group), eps)
-    qt = fcol.all_reduce(p.t().contiguous() @ m, "sum", group) / n_ranks
+    q_hat = orthogonalize(q0, state.orthogonalization_epsilon, dim=0).t()
+    return _Call(grad, LOW_RANK, m, q_hat, error, s.q if s is not None else None)
+
+
+def _p_local(call: _Call) -> torch.Tensor:
+    """This rank's ``P = M Q``, to be summed over the ranks."""
+    return call.m @ call.q_hat
+
+
+def _q_local(state: PowerSGDState, call: _Call, p_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P, this rank's Q^T)`` from the summed ``P``: ``P`` orthogonalized, ``Q^T = P^T M``.
+
+    Q is kept transposed (r x m) and computed from ``P^T`` made contiguous, so both products are
+    row-major GEMMs over M (a GEMM through a transposed view is far slower)."""
+    p = orthogonalize(p_sum, state.orthogonalization_epsilon)
+    return p, p.t().contiguous() @ call.m
+
+
+def _finish(state: PowerSGDState, call: _Call, p: torch.Tensor, qt_sum: torch.Tensor) -> None:
+    """After the last collective: ``grad = P Q^T`` with ``Q`` averaged; the error and warm Q kept."""
+    qt = qt_sum / state.world_size
     approx_for_error, approx = _low_rank_products(p, qt)
-    if error is not None:
-        error.sub_(approx_for_error)
-    if warm_q is not None:
-        warm_q.copy_(qt)
-    grad.copy_(approx.view_as(grad))
+    if call.error is not None:
+        call.error.sub_(approx_for_error)
+    if call.warm_q is not None:
+        call.warm_q.copy_(qt)
+    call.grad.copy_(approx.view_as(call.grad))
+
+
+def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[torch.Tensor] = None) -> None:
+    """Average ``grad`` across ``state.process_group`` in place, PowerSGD-compressed once
+    ``state.start_powerSGD_iter`` steps are done (see the module docstring).
+
+    ``param`` is the parameter ``grad`` belongs to (DDP's adapter :func:`ddp_comm_hook` passes
+    it): the state is kept per parameter. Called without it, the state is kept per ``grad``
+    tensor, which must then be the same tensor every step.
+
+    ``powerSGD_hook.reduce_async(state, bucket)`` is its form for DDP's C++ reducer
+    (:func:`reduce_bucket_async`).
+    """
+    call = _begin(state, grad, param)
+    group, n_ranks = state.process_group, state.world_size
+    if call.kind == AVERAGE:
+        grad.copy_(fcol.all_reduce(grad / n_ranks, "sum", group))
+    elif call.kind == SUM:
+        grad.copy_(fcol.all_reduce(grad, "sum", group) / n_ranks)
+    else:
+        p, qt = _q_local(state, call, fcol.all_reduce(_p_local(call), "sum", group))
+        _finish(state, call, p, fcol.all_reduce(qt, "sum", group))
+
+
+def _all_reduce_async(state: PowerSGDState, flat: torch.Tensor) -> torch.futures.Future[Any]:
+    return dist.all_reduce(flat, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflat(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+
+
+def reduce_bucket_async(state: PowerSGDState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """:func:`powerSGD_hook` on every gradient of a DDP ``GradBucket``, with async collectives:
+    the C++ reducer's form, which returns a future of the bucket's buffer at once.
+
+    Each of the bucket's gradients gets :func:`powerSGD_hook`'s computation, from the same
+    halves; the collectives are batched per bucket, as torch's hook does::
+
+        before compression:  all_reduce(buffer / N)
+        compressing:         U = all_reduce(cat(uncompressed)) / N
+                             P = all_reduce(cat(M Q))  -> orthogonalize -> Q^T = P^T M
+                             Q = all_reduce(cat(Q^T))  -> grad = P Q^T / N  (continuations)
+
+    The Q all_reduce is issued from P's continuation, in an order fixed when the hook is called
+    (:class:`~compiled_hooks.in_order.InOrder`: U_k, P_k, Q_k, then bucket k+1's), so every rank
+    issues the same sequence. Every check and every count runs before the first collective."""
+    calls = [_begin(state, g, p, eager=True) for g, p in zip(bucket.gradients(), bucket.parameters())]
+    buffer, order = bucket.buffer(), state._in_order
+    if all(c.kind == AVERAGE for c in calls):  # the gradients are views of the whole buffer
+        slot = order.reserve()
+        return order.fill(slot, lambda: _all_reduce_async(state, buffer.div_(state.world_size))).then(
+            lambda _: buffer)
+    plain = [c for c in calls if c.kind == SUM]
+    low = [c for c in calls if c.kind == LOW_RANK]
+    u_slot = order.reserve() if plain else None
+    p_slot, q_slot = (order.reserve(), order.reserve()) if low else (None, None)
+    waits: list[torch.futures.Future[Any]] = []
+    if u_slot is not None:
+        u = _flat([c.grad for c in plain])
+
+        def unpack_u(fut: torch.futures.Future[Any]) -> None:
+            summed = fut.value()[0].div_(state.world_size)
+            for c, part in zip(plain, _unflat(summed, [tuple(c.grad.shape) for c in plain])):
+                c.grad.copy_(part)
+
+        waits.append(order.fill(u_slot, lambda: _all_reduce_async(state, u)).then(unpack_u))
+    if p_slot is not None and q_slot is not None:
+        p_flat = _flat([_p_local(c) for c in low])
+        p_shapes = [(c.m.shape[0], c.q_hat.shape[1]) for c in low]  # n x r
+        q_shapes = [(c.q_hat.shape[1], c.m.shape[1]) for c in low]  # r x m
+        ps: list[torch.Tensor] = []
+
+        def compute_q(fut: torch.futures.Future[Any]) -> None:
+            try:
+                pairs = [_q_local(state, c, p) for c, p in zip(low, _unflat(fut.value()[0], p_shapes))]
+                ps.extend(p for p, _ in pairs)
+                q_flat = _flat([qt for _, qt in pairs])
+            except Exception as e:  # the slot must be filled, or every later slot waits forever
+                order.fill(q_slot, functools.partial(_failed, e))
+                raise
+            order.fill(q_slot, lambda: _all_reduce_async(state, q_flat))
+
+        def decompress(fut: torch.futures.Future[Any]) -> None:
+            for c, p, qt in zip(low, ps, _unflat(fut.value()[0], q_shapes)):
+                _finish(state, c, p, qt)
+
+        order.fill(p_slot, lambda: _all_reduce_async(state, p_flat)).then(compute_q)
+        waits.append(q_slot.future.then(decompress))
+
+    def result(fut: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
+        for f in fut.value():
+            f.value()  # raises what a collective or a continuation raised
+        return buffer
+
+    return torch.futures.collect_all(waits).then(result)
+
+
+def _failed(error: Exception) -> torch.futures.Future[Any]:
+    raise error
+
+
+powerSGD_hook.reduce_async = reduce_bucket_async  # type: ignore[attr-defined]

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from .ddp import completed
 from .ops import group_rank
 from .optim_math import UPDATES, delta_rule, hyperparameters, state_names, step_scalars
 from .validation import positional_arity
@@ -709,6 +710,8 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
                          "set, so compiled autograd cannot trace its hooks; build it with compile_ddp or after "
                          "setting the flag")
     hook, on_buckets = _hook_kind(name, hook, ddp._use_python_reducer, shard_buckets)
+    reduce_async = getattr(hook, "reduce_async", None)
+    reducing: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]] = []  # C++ reducer, in order
     config = getattr(ddp, "_bucket_config", None)
     core = ZeroStep(hook, zero, interleaved, bucket_bytes=ddp.bucket_bytes_cap,
                     first_bucket_bytes=getattr(config, "first_bucket_bytes_cap", ddp.bucket_bytes_cap))
@@ -725,17 +728,32 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
         buffer, params = bucket.buffer(), bucket.parameters()
         views = list(buffer.split([p.numel() for p in params]))
         items = [(zero.index_of(p), v.view_as(p)) for p, v in zip(params, views)]
-        if on_buckets:  # a DDP comm hook, on DDP's own bucket
-            averaged = hook(state, bucket).wait()
-            if averaged is not buffer:
-                buffer.copy_(averaged)
-        elif not zero.shard_buckets:
-            hook(state, buffer)  # averaged in place: DDP writes it back to the gradients
-        core.close(state, items, averaged=not zero.shard_buckets)
+        if zero.shard_buckets:  # reduced rank-major in ZeRO's own layout, here and now
+            core.close(state, items)
+            fut = completed(buffer)
+        else:
+            if on_buckets:  # a DDP comm hook, on DDP's own bucket
+                fut = hook(state, bucket)
+            elif reduce_async is not None:
+                fut = reduce_async(state, buffer)
+            else:
+                hook(state, buffer)
+                fut = completed(buffer)
+            if bucket.index() == 0:
+                reducing.clear()  # what a backward that did not finish left
+            reducing.append((fut, buffer, items))
+            # The updates issue broadcasts, so they run here, in the main thread, where every
+            # rank issues collectives in the same order: interleaved, a bucket's when the next
+            # bucket has been handed over; otherwise all of them after the last bucket.
+            keep = 0 if bucket.is_last() else 1 if interleaved else len(reducing)
+            while len(reducing) > keep:
+                done, done_buffer, done_items = reducing.pop(0)
+                averaged = done.wait()
+                if averaged is not done_buffer:
+                    done_buffer.copy_(averaged)
+                core.close(state, done_items, averaged=True)
         if bucket.is_last():
             core.finish(state)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(buffer)
         return fut
 
     zero_hook.__name__ = f"{name}_{getattr(hook, '__name__', 'hook')}"
