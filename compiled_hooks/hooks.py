@@ -85,10 +85,10 @@ def _reduce_scatter(state: DefaultState, grad: torch.Tensor, wire: Optional[torc
 
 def _all_reduce_future(state: DefaultState, grad: torch.Tensor,
                        wire: Optional[torch.dtype] = None) -> torch.futures.Future[torch.Tensor]:
-    """:func:`_all_reduce` into ``grad`` with an async collective: ``grad`` is divided in place,
-    the all_reduce is issued, and the post-division and the copy back into ``grad`` run as the
-    returned future's continuation, which completes with ``grad``. The same values as the
-    functional form, bit for bit."""
+    """:func:`_all_reduce` into ``grad`` with an async collective: ``grad`` is pre-divided (in
+    place, or into the wire tensor), the all_reduce is issued, and the post-division and the
+    copy back into ``grad`` run as the returned future's continuation, which completes with
+    ``grad``. The same values as the functional form, bit for bit."""
     t = _to_wire(state, grad, wire, inplace=True)
     work = dist.all_reduce(t, dist.ReduceOp.SUM, group=state.process_group, async_op=True)
 
