@@ -24,8 +24,9 @@ same hook run to completion in every bucket (what ``ddp_comm_hook`` did before i
 pending futures), in both schedules.
 
 Every configuration trains its own copy of the model; their steps (forward + backward, with
-the ZeRO rows' update inside it) are interleaved, one of each in turn with the order rotated
-every step. Per configuration, on rank 0: the median step, its ratio to its peer, and the time
+the ZeRO rows' update inside it) are interleaved, one of each in turn, in an order shuffled
+every round (the same on every rank): a hook and its peer run the same code around them, so a
+fixed neighbour would bias their ratio. Per configuration, on rank 0: the median step, its ratio to its peer, and the time
 the reducer spent inside the hook per step (torch.profiler, a ``record_function`` around every
 hook call, over 3 steps).
 """
@@ -33,6 +34,7 @@ hook call, over 3 steps).
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -154,7 +156,9 @@ def run_model(rank: int, model: str, steps: int) -> list[dict] | None:
         for _ in range(WARMUP):  # compile; DDP rebuilds its buckets; PowerSGD starts at step 2
             c.step()
     for i in range(steps):
-        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+        order = list(configs)
+        random.Random(i).shuffle(order)  # no configuration always follows the same one; the same on every rank
+        for c in order:
             dist.barrier()
             t0 = time.perf_counter()
             c.step()

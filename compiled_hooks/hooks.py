@@ -22,10 +22,9 @@ Numerics, with ``pre``/``post`` from the state (``pre * post == world_size``)::
 
 Every all-reduce hook also has a form for DDP's C++ reducer, ``hook.reduce_async(state, grad)
 -> Future[Tensor]``, built from the same two halves (``_to_wire`` before the collective,
-``_from_wire`` after it): it pre-divides (in place, or into the wire tensor), issues an async
-all_reduce and returns a future whose continuation post-divides and writes the result back
-into ``grad``; the future completes with ``grad``, holding the same values, bit for bit, as
-the hook.
+``_from_wire`` after it): it pre-divides in place, issues an async all_reduce and returns a
+future whose continuation post-divides and writes the result back into ``grad``; the future
+completes with ``grad``, holding the same values, bit for bit, as the hook.
 
 The compression hooks pre-divide before the cast, so a gradient above fp16's range that
 fits after the division no longer overflows (the original casts first), and post-divide in
@@ -50,17 +49,12 @@ __all__ = ["allreduce_hook", "reduce_scatter_hook", "fp16_compress_hook", "bf16_
 def _to_wire(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dtype],
              inplace: bool = False) -> torch.Tensor:
     """Before the collective: ``grad / pre``, in the ``wire`` dtype (``None``: ``grad``'s).
-    ``inplace`` (eager only) divides ``grad`` itself when the wire dtype is ``grad``'s (the C++
-    reducer's bucket, which the result overwrites), else writes the quotient straight into the
-    wire tensor: one pass, the same values."""
+    ``inplace`` divides ``grad`` itself (the C++ reducer's bucket, which the result overwrites):
+    the same values, without a temporary."""
     pre = state.gradient_predivide_factor
-    if pre == 1:
-        return grad if wire is None else grad.to(wire)
-    if not inplace:
-        return grad / pre if wire is None else (grad / pre).to(wire)
-    if wire is None or wire == grad.dtype:
-        return grad.div_(pre)
-    return torch.div(grad, pre, out=torch.empty_like(grad, dtype=wire))
+    if pre > 1:
+        grad = grad.div_(pre) if inplace else grad / pre
+    return grad if wire is None else grad.to(wire)
 
 
 def _from_wire(state: DefaultState, summed: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -85,8 +79,8 @@ def _reduce_scatter(state: DefaultState, grad: torch.Tensor, wire: Optional[torc
 
 def _all_reduce_future(state: DefaultState, grad: torch.Tensor,
                        wire: Optional[torch.dtype] = None) -> torch.futures.Future[torch.Tensor]:
-    """:func:`_all_reduce` into ``grad`` with an async collective: ``grad`` is pre-divided (in
-    place, or into the wire tensor), the all_reduce is issued, and the post-division and the
+    """:func:`_all_reduce` into ``grad`` with an async collective: ``grad`` is pre-divided in
+    place (and cast to the wire dtype), the all_reduce is issued, and the post-division and the
     copy back into ``grad`` run as the returned future's continuation, which completes with
     ``grad``. The same values as the functional form, bit for bit."""
     t = _to_wire(state, grad, wire, inplace=True)

@@ -33,7 +33,8 @@ in every step, DDP's default.)
 
 Where this differs from the original, by design:
 
-* Gram-Schmidt orthogonalization for every rank (the original uses QR above rank 2): the
+* Gram-Schmidt orthogonalization for every rank (the original uses QR above rank 2), batched
+  over the matrices of one shape where several are at hand (:func:`orthogonalize`): the
   columns may differ in sign, which ``P @ Q.T`` does not see.
 * A column of zeros stays zero (with ``orthogonalization_epsilon=0`` the original divides by
   zero and fills the gradient with NaN).
@@ -238,21 +239,38 @@ def counted(state_id: int, slot: int, grad: torch.Tensor, q_rows: int, q_cols: i
     return state._counted(slot, grad, q_rows, q_cols)
 
 
-def _gram_schmidt(vectors: list[torch.Tensor], epsilon: float) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for i, v in enumerate(vectors):
-        for u in out:
-            v = v - torch.dot(u, v) * u
-        norm = torch.linalg.vector_norm(v)
-        out.append(v / (norm + epsilon) if epsilon else torch.where(norm > 0, v / norm, torch.zeros_like(v)))
-    return out
-
-
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0, dim: int = 1) -> torch.Tensor:
     """Gram-Schmidt on the columns (``dim=1``) or rows (``dim=0``) of ``matrix``, functional: a
     new contiguous tensor whose columns (rows) are orthonormal. A vector that is zero, or in
-    the span of the ones before it, becomes zero; ``epsilon`` is added to every norm."""
-    return torch.stack(_gram_schmidt(list(matrix.unbind(dim)), epsilon), dim)
+    the span of the ones before it, becomes zero; ``epsilon`` is added to every norm.
+
+    Leading dimensions are a batch: each matrix is orthogonalized on its own, with the same
+    values, bit for bit, as alone (dot products as ``(u * v).sum(-1)``, a row-wise reduction
+    that does not depend on the batch), so many matrices of one shape cost one matrix's ops."""
+    vectors = matrix.unbind(-2 if dim == 0 else -1)
+    out: list[torch.Tensor] = []
+    for v in vectors:
+        for u in out:
+            v = v - (u * v).sum(-1, keepdim=True) * u
+        norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
+        out.append(v / (norm + epsilon) if epsilon else torch.where(norm > 0, v / norm, torch.zeros_like(v)))
+    return torch.stack(out, -2 if dim == 0 else -1)
+
+
+def _orthogonalize_each(matrices: list[torch.Tensor], epsilon: float, dim: int) -> list[torch.Tensor]:
+    """:func:`orthogonalize` of every matrix; those of one shape and dtype in one batch."""
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(matrices):
+        groups.setdefault((m.shape, m.dtype, m.device), []).append(i)
+    out: list[Optional[torch.Tensor]] = [None] * len(matrices)
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = orthogonalize(matrices[members[0]], epsilon, dim)
+        else:
+            batch = orthogonalize(torch.stack([matrices[i] for i in members]), epsilon, dim)
+            for i, o in zip(members, batch.unbind(0)):
+                out[i] = o
+    return out  # type: ignore[return-value]
 
 
 def _slot(state: PowerSGDState, key: torch.Tensor) -> int:
@@ -317,19 +335,22 @@ class _Call:
     """One gradient's hook call between the halves around its collectives. ``kind``: before
     compression starts, ``AVERAGE`` (``all_reduce(grad / N)``); a gradient not worth compressing,
     ``SUM`` (``all_reduce(grad) / N``); else ``LOW_RANK``, with ``m`` (the gradient as a matrix,
-    plus the error), ``q_hat`` (the orthogonalized Q) and the slot's buffers."""
+    plus the error), ``q0`` (the starting Q, transposed: r x m), ``q_hat`` (Q orthogonalized, set
+    by :func:`_orthogonalize_q`) and the slot's buffers."""
 
-    __slots__ = ["grad", "kind", "m", "q_hat", "error", "warm_q"]
+    __slots__ = ["grad", "kind", "m", "q0", "q_hat", "error", "warm_q"]
 
     def __init__(self, grad: torch.Tensor, kind: str, m: Optional[torch.Tensor] = None,
-                 q_hat: Optional[torch.Tensor] = None, error: Optional[torch.Tensor] = None,
+                 q0: Optional[torch.Tensor] = None, error: Optional[torch.Tensor] = None,
                  warm_q: Optional[torch.Tensor] = None):
-        self.grad, self.kind, self.m, self.q_hat, self.error, self.warm_q = grad, kind, m, q_hat, error, warm_q
+        self.grad, self.kind, self.m, self.q0, self.error, self.warm_q = grad, kind, m, q0, error, warm_q
+        self.q_hat: Optional[torch.Tensor] = None
 
 
 def _begin(state: PowerSGDState, grad: torch.Tensor, param: Optional[torch.Tensor], eager: bool = False) -> _Call:
-    """Everything before the first collective: checks, the call's count, ``M`` and ``Q``.
-    ``eager``: never traced (the C++ reducer's form), so the count needs no custom op."""
+    """Before the first collective: checks, the call's count, ``M`` (the error folded in) and
+    the starting ``Q``. ``eager``: never traced (the C++ reducer's form), so the count needs no
+    custom op."""
     name = "powerSGD_hook"
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"{name}: state must be a PowerSGDState, got {type(state).__name__}.")
@@ -353,22 +374,27 @@ def _begin(state: PowerSGDState, grad: torch.Tensor, param: Optional[torch.Tenso
     error = s.error if s is not None else None
     local = grad.reshape(grad.shape[0], -1)
     m = local if error is None else _fold_error(error, local)
-    q_hat = orthogonalize(q0, state.orthogonalization_epsilon, dim=0).t()
-    return _Call(grad, LOW_RANK, m, q_hat, error, s.q if s is not None else None)
+    return _Call(grad, LOW_RANK, m, q0, error, s.q if s is not None else None)
 
 
-def _p_local(call: _Call) -> torch.Tensor:
-    """This rank's ``P = M Q``, to be summed over the ranks."""
-    return call.m @ call.q_hat
+def _p_locals(state: PowerSGDState, calls: list[_Call]) -> list[torch.Tensor]:
+    """This rank's ``P = M Q`` of every call, to be summed over the ranks; ``Q`` orthogonalized
+    first (the calls' Q of one shape in one batch)."""
+    q_hats = _orthogonalize_each([c.q0 for c in calls], state.orthogonalization_epsilon, dim=0)
+    for c, q_hat in zip(calls, q_hats):
+        c.q_hat = q_hat.t()
+    return [c.m @ c.q_hat for c in calls]
 
 
-def _q_local(state: PowerSGDState, call: _Call, p_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(P, this rank's Q^T)`` from the summed ``P``: ``P`` orthogonalized, ``Q^T = P^T M``.
+def _q_locals(state: PowerSGDState, calls: list[_Call], p_sums: list[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(P, this rank's Q^T)`` of every call from its summed ``P``: ``P`` orthogonalized (those of
+    one shape in one batch), ``Q^T = P^T M``.
 
     Q is kept transposed (r x m) and computed from ``P^T`` made contiguous, so both products are
     row-major GEMMs over M (a GEMM through a transposed view is far slower)."""
-    p = orthogonalize(p_sum, state.orthogonalization_epsilon)
-    return p, p.t().contiguous() @ call.m
+    ps = _orthogonalize_each(p_sums, state.orthogonalization_epsilon, dim=1)
+    return ps, [p.t().contiguous() @ c.m for c, p in zip(calls, ps)]
 
 
 def _finish(state: PowerSGDState, call: _Call, p: torch.Tensor, qt_sum: torch.Tensor) -> None:
@@ -400,7 +426,8 @@ def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[t
     elif call.kind == SUM:
         grad.copy_(fcol.all_reduce(grad, "sum", group) / n_ranks)
     else:
-        p, qt = _q_local(state, call, fcol.all_reduce(_p_local(call), "sum", group))
+        (p_local,) = _p_locals(state, [call])
+        (p,), (qt,) = _q_locals(state, [call], [fcol.all_reduce(p_local, "sum", group)])
         _finish(state, call, p, fcol.all_reduce(qt, "sum", group))
 
 
@@ -421,7 +448,8 @@ def reduce_bucket_async(state: PowerSGDState, bucket: Any) -> torch.futures.Futu
     the C++ reducer's form, which returns a future of the bucket's buffer at once.
 
     Each of the bucket's gradients gets :func:`powerSGD_hook`'s computation, from the same
-    halves; the collectives are batched per bucket, as torch's hook does::
+    halves, with the same values (the orthogonalizations of one shape run as one batch); the
+    collectives are batched per bucket, as torch's hook does::
 
         before compression:  all_reduce(buffer / N)
         compressing:         U = all_reduce(cat(uncompressed)) / N
@@ -452,16 +480,16 @@ def reduce_bucket_async(state: PowerSGDState, bucket: Any) -> torch.futures.Futu
 
         waits.append(order.fill(u_slot, lambda: _all_reduce_async(state, u)).then(unpack_u))
     if p_slot is not None and q_slot is not None:
-        p_flat = _flat([_p_local(c) for c in low])
+        p_flat = _flat(_p_locals(state, low))
         p_shapes = [(c.m.shape[0], c.q_hat.shape[1]) for c in low]  # n x r
         q_shapes = [(c.q_hat.shape[1], c.m.shape[1]) for c in low]  # r x m
         ps: list[torch.Tensor] = []
 
         def compute_q(fut: torch.futures.Future[Any]) -> None:
             try:
-                pairs = [_q_local(state, c, p) for c, p in zip(low, _unflat(fut.value()[0], p_shapes))]
-                ps.extend(p for p, _ in pairs)
-                q_flat = _flat([qt for _, qt in pairs])
+                p_list, qts = _q_locals(state, low, _unflat(fut.value()[0], p_shapes))
+                ps.extend(p_list)
+                q_flat = _flat(qts)
             except Exception as e:  # the slot must be filled, or every later slot waits forever
                 order.fill(q_slot, functools.partial(_failed, e))
                 raise

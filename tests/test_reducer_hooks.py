@@ -23,11 +23,13 @@ HELD_BACK_S = 1.0
 HOOKS = ["allreduce", "fp16", "bf16", "powerSGD"]
 
 
-def _net():
+def _net(hidden=1):
     torch.manual_seed(0)
-    # 64x32 and 64x64 compress at rank 2; the 4x64 head and every bias do not.
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 4))
+    # 64x32 and the 64x64 ones compress at rank 2; the 4x64 head and every bias do not.
+    layers = [torch.nn.Linear(32, 64), torch.nn.Tanh()]
+    for _ in range(hidden):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(64, 4))
 
 
 def _batch(rank, step):
@@ -58,13 +60,13 @@ def _blocking(hook):
     return run
 
 
-def _train(name, rank, steps, blocking=False, watch_step=None):
-    """``steps`` SGD steps of eager DDP (several buckets) with the hook; per step the averaged
-    gradients. At ``watch_step`` rank 1 starts its backward HELD_BACK_S late, and rank 0
-    records, per bucket, whether the hook's future was done when it returned and how long
-    the hook took."""
-    net = _net()
-    ddp = DDP(net, bucket_cap_mb=0.001)
+def _train(name, rank, steps, blocking=False, watch_step=None, net=None, bucket_cap_mb=0.001):
+    """``steps`` SGD steps of eager DDP (by default one bucket per gradient) with the hook; per
+    step the averaged gradients. At ``watch_step`` rank 1 starts its backward HELD_BACK_S late,
+    and rank 0 records, per bucket, whether the hook's future was done when it returned and how
+    long the hook took."""
+    net = net or _net()
+    ddp = DDP(net, bucket_cap_mb=bucket_cap_mb)
     state, hook = _state_and_hook(name, ddp)
     reducer_hook = hook if name == "zero" else ch.ddp_comm_hook(_blocking(hook) if blocking else hook)
     calls = []
@@ -115,15 +117,21 @@ def test_hooks_return_pending_futures_while_a_rank_is_held_back():
 
 
 def _same_values_worker(rank, world_size):
-    return {name: (_train(name, rank, 4)[0], _train(name, rank, 4, blocking=True)[0]) for name in HOOKS}
+    out = {}
+    for name in HOOKS:
+        for cap in (0.001, 1):  # one bucket per gradient; one bucket for all
+            out[name, cap] = tuple(_train(name, rank, 4, blocking=blocking, net=_net(hidden=2), bucket_cap_mb=cap)[0]
+                                   for blocking in (False, True))
+    return out
 
 
 def test_async_form_gives_the_hooks_values_bit_for_bit():
     """4 steps with each hook's async form and with the hook run to completion per bucket: the
-    same gradients, bit for bit (PowerSGD: compressing from step 2, P and Q of a bucket in one
-    all_reduce each instead of one per gradient), and the same on both ranks."""
+    same gradients, bit for bit, and the same on both ranks. PowerSGD compresses from step 2;
+    in one bucket, its P and Q go in one all_reduce each instead of one per gradient, and the
+    two 64x64 gradients' orthogonalizations run as one batch."""
     ranks = run_ranks(_same_values_worker, 2)
-    for name in HOOKS:
+    for name in ranks[0]:
         for rank, out in enumerate(ranks):
             async_grads, blocking_grads = out[name]
             for step, (a, b) in enumerate(zip(async_grads, blocking_grads)):
