@@ -245,8 +245,9 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0, dim: int = 1) -> t
     the span of the ones before it, becomes zero; ``epsilon`` is added to every norm.
 
     Leading dimensions are a batch: each matrix is orthogonalized on its own, with the same
-    values, bit for bit, as alone (dot products as ``(u * v).sum(-1)``, a row-wise reduction
-    that does not depend on the batch), so many matrices of one shape cost one matrix's ops."""
+    values as alone (dot products as ``(u * v).sum(-1)``, a row-wise reduction that does not
+    depend on the batch; bit for bit on CPU, checked by ``tests/test_reducer_hooks.py``), so
+    many matrices of one shape cost one matrix's ops."""
     vectors = matrix.unbind(-2 if dim == 0 else -1)
     out: list[torch.Tensor] = []
     for v in vectors:
@@ -336,7 +337,7 @@ class _Call:
     compression starts, ``AVERAGE`` (``all_reduce(grad / N)``); a gradient not worth compressing,
     ``SUM`` (``all_reduce(grad) / N``); else ``LOW_RANK``, with ``m`` (the gradient as a matrix,
     plus the error), ``q0`` (the starting Q, transposed: r x m), ``q_hat`` (Q orthogonalized, set
-    by :func:`_orthogonalize_q`) and the slot's buffers."""
+    by :func:`_p_locals`) and the slot's buffers."""
 
     __slots__ = ["grad", "kind", "m", "q0", "q_hat", "error", "warm_q"]
 

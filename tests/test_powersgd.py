@@ -268,3 +268,24 @@ def test_state_takes_every_value_torchs_takes(fake_pg):
         PowerSGDState(fake_pg, start_powerSGD_iter=2, min_compression_rate="2")
     with pytest.raises(ValueError, match="matrix_approximation_rank must be >= 1"):  # torch: P of 0 columns
         PowerSGDState(fake_pg, start_powerSGD_iter=2, matrix_approximation_rank=0)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_batched_orthogonalize_equals_one_at_a_time(dim):
+    """The C++ reducer's form orthogonalizes a bucket's matrices of one shape as one batch: each
+    gets the values it gets alone, bit for bit, including a zero vector and a dependent one."""
+    from compiled_hooks.powersgd import orthogonalize
+
+    g = torch.Generator().manual_seed(dim)
+    for r, n, batch in [(1, 7, 3), (4, 256, 32), (8, 1030, 5)]:
+        shape = (r, n) if dim == 0 else (n, r)
+        matrices = [torch.randn(shape, generator=g) for _ in range(batch)]
+        matrices[0].select(dim, 0).zero_()
+        if r > 1:
+            matrices[1].select(dim, 1).copy_(2 * matrices[1].select(dim, 0))
+        batched = orthogonalize(torch.stack(matrices), dim=dim)
+        for i, m in enumerate(matrices):
+            assert torch.equal(orthogonalize(m, dim=dim), batched[i]), (r, n, i)
+        eye = torch.eye(r)
+        q = batched[2] if dim == 0 else batched[2].t()
+        torch.testing.assert_close(q @ q.t(), eye, atol=1e-5, rtol=0)
