@@ -70,15 +70,13 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
             else:
                 hook(state, bucket[0])
             return None
-        if reduce_async is not None:  # per parameter: it takes the bucket; else its flat buffer
-            return reduce_async(state, bucket if per_parameter else bucket.buffer())
-        buffer = bucket.buffer()
-        if per_parameter:  # the bucket's gradients are views of its buffer
-            for grad, param in zip(bucket.gradients(), bucket.parameters()):
-                hook(state, grad, param=param)
-        else:
-            hook(state, buffer)
-        return completed(buffer)
+        if not per_parameter:
+            return reduce_buffer(hook, state, bucket.buffer())
+        if reduce_async is not None:  # it takes the whole bucket
+            return reduce_async(state, bucket)
+        for grad, param in zip(bucket.gradients(), bucket.parameters()):  # views of the bucket's buffer
+            hook(state, grad, param=param)
+        return completed(bucket.buffer())
 
     # DDP refuses any hook named "bf16_compress_hook" unless CUDA+NCCL is present, and reads
     # __qualname__ for its logs; a distinct name keeps both right.
@@ -87,6 +85,16 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     ddp_hook.__doc__ = hook.__doc__
     ddp_hook.tensor_hook = hook  # what hook_with_zero_step unwraps: it reduces its own buckets
     return ddp_hook
+
+
+def reduce_buffer(hook: Callable[..., Any], state: Any, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """``hook(state, grad)`` on a C++-reducer bucket's flat ``buffer``: its async form
+    (``hook.reduce_async``) when it has one, a pending future; else run to completion, a done one."""
+    reduce_async = getattr(hook, "reduce_async", None)
+    if reduce_async is not None:
+        return reduce_async(state, buffer)
+    hook(state, buffer)
+    return completed(buffer)
 
 
 def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

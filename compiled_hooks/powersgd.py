@@ -246,8 +246,8 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0, dim: int = 1) -> t
 
     Leading dimensions are a batch: each matrix is orthogonalized on its own, with the same
     values as alone (dot products as ``(u * v).sum(-1)``, a row-wise reduction that does not
-    depend on the batch; bit for bit on CPU, checked by ``tests/test_reducer_hooks.py``), so
-    many matrices of one shape cost one matrix's ops."""
+    depend on the batch; bit for bit on CPU, checked by ``tests/test_powersgd.py`` and, end to
+    end, ``tests/test_reducer_hooks.py``), so many matrices of one shape cost one matrix's ops."""
     vectors = matrix.unbind(-2 if dim == 0 else -1)
     out: list[torch.Tensor] = []
     for v in vectors:

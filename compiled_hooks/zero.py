@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from .ddp import completed
+from .ddp import completed, reduce_buffer
 from .ops import group_rank
 from .optim_math import UPDATES, delta_rule, hyperparameters, state_names, step_scalars
 from .validation import positional_arity
@@ -710,7 +710,6 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
                          "set, so compiled autograd cannot trace its hooks; build it with compile_ddp or after "
                          "setting the flag")
     hook, on_buckets = _hook_kind(name, hook, ddp._use_python_reducer, shard_buckets)
-    reduce_async = getattr(hook, "reduce_async", None)
     reducing: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]] = []  # C++ reducer, in order
     config = getattr(ddp, "_bucket_config", None)
     core = ZeroStep(hook, zero, interleaved, bucket_bytes=ddp.bucket_bytes_cap,
@@ -732,13 +731,8 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
             core.close(state, items)
             fut = completed(buffer)
         else:
-            if on_buckets:  # a DDP comm hook, on DDP's own bucket
-                fut = hook(state, bucket)
-            elif reduce_async is not None:
-                fut = reduce_async(state, buffer)
-            else:
-                hook(state, buffer)
-                fut = completed(buffer)
+            # a DDP comm hook runs on DDP's own bucket
+            fut = hook(state, bucket) if on_buckets else reduce_buffer(hook, state, buffer)
             if bucket.index() == 0:
                 reducing.clear()  # what a backward that did not finish left
             reducing.append((fut, buffer, items))
