@@ -18,10 +18,10 @@ One process, one thread, each variant compiled with Inductor, medians of 12 call
   place at a static offset, its new values written into the row;
 - owner-major row: the bucket laid out as ``[world, L]`` rows and this rank's row selected
   with ``index_select(0, rank)``, the ``cat`` of the parameters included;
-- own row, deltas (what ``compiled_hooks.zero`` runs where the update reads the parameter only
-  as ``param * decay - delta``, AdamW included): ``delta`` over this rank's row, its state one
+- own row, directions (what ``compiled_hooks.zero`` runs where the update reads the parameter only
+  as ``param * decay - scale * direction``, AdamW included): the direction over this rank's row, its state one
   slice at a fixed offset (the state laid out by the buckets), no parameter read; and the same
-  plus applying both ranks' rows of deltas to every parameter (``p * decay - d``), the part of
+  plus applying both ranks' rows of directions to every parameter (``p * decay - scale * u``), the part of
   the write-back that reads the parameters;
 - and torch's eager foreach AdamW over the same tensors, for scale.
 """
@@ -36,10 +36,20 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from compiled_hooks.optim_math import UPDATES, delta_rule, step_scalars  # noqa: E402
+from compiled_hooks.zero.optim_math import (UPDATES, apply, direction_rule, group_hyperparameters,  # noqa: E402
+                                            rule_of, step_scalars, table_row)
 
-HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-RULE = UPDATES[torch.optim.AdamW]
+HP = group_hyperparameters(torch.optim.AdamW, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01), {})
+FORM = rule_of(torch.optim.AdamW, HP)
+TABLE = torch.tensor([table_row(HP)], dtype=torch.float64)
+
+
+def RULE(p, g, state, s):
+    return UPDATES[torch.optim.AdamW](p, g, state, s, FORM)
+
+
+def scalars(steps: torch.Tensor) -> torch.Tensor:
+    return step_scalars(TABLE.expand(len(steps), -1), steps)
 
 
 def median_ms(fn, *args, calls: int = 12, warmup: int = 3) -> float:
@@ -68,16 +78,16 @@ def main() -> None:
     member_of = torch.cat([torch.full((sizes[j],), j) for j in mine]).expand(2, -1).contiguous()
 
     def update_all(p, g, m, v, steps):
-        new, state = RULE(p, g, {"exp_avg": m, "exp_avg_sq": v}, step_scalars(HP, steps)[0], HP)
+        new, state = RULE(p, g, {"exp_avg": m, "exp_avg_sq": v}, scalars(steps)[0])
         m.copy_(state["exp_avg"])
         v.copy_(state["exp_avg_sq"])
         p.copy_(new)
 
     def update_gather(params, g, m, v, steps, table, member_of, rank):
         index = table.index_select(0, rank).view(-1)
-        step = step_scalars(HP, steps)[member_of.index_select(0, rank).view(-1)].T
+        step = scalars(steps)[member_of.index_select(0, rank).view(-1)].T
         flat = torch.cat([p.reshape(-1) for p in params])
-        new, state = RULE(flat[index], g[index], {"exp_avg": m[index], "exp_avg_sq": v[index]}, step, HP)
+        new, state = RULE(flat[index], g[index], {"exp_avg": m[index], "exp_avg_sq": v[index]}, step)
         m.index_put_((index,), state["exp_avg"])
         v.index_put_((index,), state["exp_avg_sq"])
         return new
@@ -86,7 +96,7 @@ def main() -> None:
         k = torch.arange(half)
         index, keep = (start + k).clamp(max=n - 1), k < length
         old_m, old_v = m[index], v[index]
-        new, state = RULE(p[index], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, step_scalars(HP, steps)[0], HP)
+        new, state = RULE(p[index], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, scalars(steps)[0])
         m.index_put_((index,), torch.where(keep, state["exp_avg"], old_m))
         v.index_put_((index,), torch.where(keep, state["exp_avg_sq"], old_v))
         return new
@@ -98,7 +108,7 @@ def main() -> None:
         row = torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
         grad = g.view(2, half).index_select(0, rank).view(-1)
         old_m, old_v = m.narrow(0, s, half), v.narrow(0, s, half)
-        new, state = RULE(row, grad, {"exp_avg": old_m, "exp_avg_sq": old_v}, step_scalars(HP, steps)[0], HP)
+        new, state = RULE(row, grad, {"exp_avg": old_m, "exp_avg_sq": old_v}, scalars(steps)[0])
         old_m.copy_(state["exp_avg"])
         old_v.copy_(state["exp_avg_sq"])
         return new
@@ -110,34 +120,34 @@ def main() -> None:
             torch._check(u >= 0)
             torch._check(u <= 1)
             is_owner.append(u)
-        row, step = g.new_zeros(half), step_scalars(HP, steps)[0]
+        row, step = g.new_zeros(half), scalars(steps)[0]
         for j, p in enumerate(params):
             k = p.numel() * is_owner[j % 2]  # member j is rank j % 2's, as ``mine`` above
             index = torch.arange(starts[j], starts[j] + k)
             old_m, old_v = m[index], v[index]
-            new, state = RULE(p.reshape(-1)[:k], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, step, HP)
+            new, state = RULE(p.reshape(-1)[:k], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, step)
             m.index_put_((index,), state["exp_avg"])
             v.index_put_((index,), state["exp_avg_sq"])
             at = sum(sizes[i] for i in range(j % 2, j, 2))  # its place in its owner's row
             row.index_put_((torch.arange(at, at + k),), new)
         return row
 
-    decay, delta = delta_rule(torch.optim.AdamW, HP)
+    direction = direction_rule(FORM)
 
     def update_own_row(g, m, v, steps):
-        d, state = delta(g[:half], {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, step_scalars(HP, steps)[0], HP)
+        d, state = direction(g[:half], {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, scalars(steps)[0], FORM)
         m[:half].copy_(state["exp_avg"])
         v[:half].copy_(state["exp_avg_sq"])
         return d
 
     def update_own_row_and_apply(p, g, m, v, steps, other):
         d = update_own_row(g, m, v, steps)
-        p.copy_(p * decay - torch.cat([d, other]))
+        p.copy_(apply(p, torch.cat([d, other]), scalars(steps)[0], FORM))
 
     def update_row(params, g, m, v, steps, rank):
         row = torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
         grad = g.view(2, half).index_select(0, rank).view(-1)
-        new, state = RULE(row, grad, {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, step_scalars(HP, steps)[0], HP)
+        new, state = RULE(row, grad, {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, scalars(steps)[0])
         m[:half].copy_(state["exp_avg"])
         v[:half].copy_(state["exp_avg_sq"])
         return new
@@ -156,8 +166,8 @@ def main() -> None:
          (params, g, m, v, steps, torch.tensor(1000), rank)),
         ("per-member unbacked sizes", half, torch.compile(update_members), (params, g, m, v, steps, rank)),
         ("owner-major row (index_select)", half, torch.compile(update_row), (params, g, m, v, steps, rank)),
-        ("own row, deltas (state slice at a fixed offset)", half, torch.compile(update_own_row), (g, m, v, steps)),
-        ("own row, deltas + both rows applied to every parameter", n, torch.compile(update_own_row_and_apply),
+        ("own row, directions (state slice at a fixed offset)", half, torch.compile(update_own_row), (g, m, v, steps)),
+        ("own row, directions + both rows applied to every parameter", n, torch.compile(update_own_row_and_apply),
          (flat_p, g, m, v, steps, torch.randn(n - half))),
         ("torch AdamW, eager foreach", n, torch_opt.step, ()),
     ]

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .validation import positional_arity
+from .hook_kind import hook_kind
 
 __all__ = ["ddp_comm_hook", "compile_ddp", "compiled_autograd"]
 
@@ -49,17 +48,15 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     (:func:`compiled_hooks.powersgd.powerSGD_hook`): it is called once per gradient with its
     parameter (python reducer), or given the whole bucket (its async form).
     """
-    if not callable(hook):
-        raise TypeError(f"ddp_comm_hook: hook must be callable, got {type(hook).__name__}.")
-    if positional_arity(hook)[0] != 2:
+    kind = hook_kind(hook, "ddp_comm_hook")
+    if not kind.all_reduce or kind.grad_bucket:
         raise TypeError(
-            f"ddp_comm_hook: {getattr(hook, '__name__', hook)!r} must be callable as hook(state, grad); "
+            f"ddp_comm_hook: {kind.name!r} must be callable as hook(state, grad); "
             "DDP all-reduces whole gradients, so reduce-scatter hooks (which need an output shard) "
-            "do not apply."
+            "do not apply, and a DDP comm hook (state, bucket) registers with DDP directly."
         )
-
-    per_parameter = "param" in inspect.signature(hook).parameters
-    reduce_async = getattr(hook, "reduce_async", None)
+    hook = kind.fn
+    per_parameter, reduce_async = kind.per_parameter, kind.reduce_async
 
     # No annotations (and no functools.wraps, which would copy the hook's): DDP accepts only
     # GradBucket / Future[Tensor] ones, and this wrapper also takes (grad, param) tuples.

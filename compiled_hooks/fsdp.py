@@ -44,7 +44,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo
 
 from .state import DefaultState
-from .validation import positional_arity
+from .hook_kind import hook_kind
 
 __all__ = ["register_comm_hook", "get_comm_hook", "HookReduceScatter", "HookAllReduce"]
 
@@ -116,21 +116,21 @@ def _is_sharded(group: Any) -> bool:
 
 
 def _check_group(group: Any, state: DefaultState, hook: Callable[..., Any]) -> None:
-    name = getattr(hook, "__name__", repr(hook))
-    required, accepted = positional_arity(hook)
+    kind = hook_kind(hook, "register_comm_hook")
+    name = kind.name
     if _is_replicated(group) and _is_sharded(group):
         raise NotImplementedError(
             "register_comm_hook: HSDP (a module both sharded and replicated) is not supported; "
             "use fully_shard over one mesh dimension or replicate."
         )
     if _is_sharded(group):
-        kind, size, ok = "sharded", group.mesh_info.shard_mesh_size, accepted >= 3
+        kind_name, size, ok = "sharded", group.mesh_info.shard_mesh_size, kind.reduce_scatter
         need = "hook(state, grad, output) (a reduce-scatter hook)"
     else:
-        kind, size, ok = "replicated", group.mesh_info.replicate_mesh_size, required <= 2
+        kind_name, size, ok = "replicated", group.mesh_info.replicate_mesh_size, kind.all_reduce
         need = "hook(state, grad) (an all-reduce hook)"
     if not ok:
-        raise TypeError(f"register_comm_hook: {name!r} cannot reduce a {kind} module: FSDP2 calls {need}")
+        raise TypeError(f"register_comm_hook: {name!r} cannot reduce a {kind_name} module: FSDP2 calls {need}")
     reduce_dtype = group.mp_policy.reduce_dtype
     if reduce_dtype is not None and reduce_dtype != getattr(state, "parameter_type", reduce_dtype):
         raise ValueError(
@@ -140,7 +140,7 @@ def _check_group(group: Any, state: DefaultState, hook: Callable[..., Any]) -> N
     if size != state.world_size:
         raise ValueError(
             f"register_comm_hook: the state's group has {state.world_size} ranks but the module is "
-            f"{kind} over {size}."
+            f"{kind_name} over {size}."
         )
 
 

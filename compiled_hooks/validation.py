@@ -8,9 +8,6 @@ static tensor metadata, so under ``torch.compile`` they become guards, not graph
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable
-
 import torch
 
 from .state import DefaultState, LowPrecisionState
@@ -54,10 +51,3 @@ def check_shard(hook: str, grad: torch.Tensor, output: torch.Tensor, world_size:
             f"{hook}: reduce-scatter needs grad.numel() == world_size * output.numel(), got "
             f"grad.numel()={grad.numel()}, world_size={world_size}, output.numel()={output.numel()}."
         )
-
-
-def positional_arity(fn: Callable[..., Any]) -> tuple[int, int]:
-    """(required, accepted) positional parameters of ``fn``: how a hook can be called."""
-    params = [p for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return sum(p.default is p.empty for p in params), len(params)

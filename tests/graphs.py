@@ -60,7 +60,7 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
     built on the fake group): gradients reduced by the ``kind`` hook in gradient-ready order in
     buckets of ``bucket_bytes`` (default: one parameter each), each bucket updated and broadcast
     either as soon as it is reduced or after the last one. The optimizer's tensors are rebound
-    to the traced inputs."""
+    to the traced inputs (step counts, hyperparameter table, state), as Dynamo makes them."""
     from compiled_hooks.zero import ZeroStep
 
     hook, _, state_cls = HOOKS[kind]
@@ -77,7 +77,7 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
     def _fn(*args):
         grads, params, flat_state = args[:n], args[n:2 * n], list(args[2 * n:])
         zero.params, zero._index = list(params), {id(p): i for i, p in enumerate(params)}
-        zero._steps = flat_state.pop(0)
+        zero._steps, zero._table = flat_state.pop(0), flat_state.pop(0)
         for d in owned:
             for k in d:
                 d[k] = flat_state.pop(0)
@@ -90,7 +90,7 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
         g = torch.Generator().manual_seed(seed)
         grads = [torch.randn(p.shape, generator=g) for p in zero.params]
         params = [torch.randn(p.shape, generator=g) for p in zero.params]
-        state = [zero._steps.clone()] + [t.clone() for d in owned for t in d.values()]
+        state = [zero._steps.clone(), zero._table.clone()] + [t.clone() for d in owned for t in d.values()]
         return (*grads, *params, *state)
 
     return fn, args

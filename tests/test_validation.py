@@ -136,9 +136,31 @@ CASES = {
     "fsdp_hook_on_hsdp": (
         lambda g: ch.fsdp.register_comm_hook(_hsdp(), _state(g), ch.reduce_scatter_hook), NotImplementedError,
         "HSDP"),
-    "zero_several_param_groups": (
-        lambda g: ZeroOptimizer([{"params": [_param()]}, {"params": [_param()]}], torch.optim.SGD, lr=0.1),
-        ValueError, "several parameter groups are not supported"),
+    "zero_group_bad_hyperparameter": (
+        lambda g: ZeroOptimizer([{"params": [_param()]}, {"params": [_param()], "eps": -1.0}], torch.optim.AdamW,
+                                lr=0.1), ValueError, "Invalid epsilon value"),
+    "zero_groups_keeping_different_state": (
+        lambda g: ZeroOptimizer([{"params": [_param()]}, {"params": [_param()], "momentum": 0.0}], torch.optim.SGD,
+                                lr=0.1, momentum=0.9), ValueError, "every parameter group must keep the same state"),
+    "zero_scheduler_zeroes_momentum": (
+        lambda g: torch.optim.lr_scheduler.OneCycleLR(
+            ZeroOptimizer([_param()], torch.optim.SGD, lr=0.1, momentum=0.9), max_lr=0.1, total_steps=10,
+            base_momentum=0.0, max_momentum=0.0), ValueError, "changed its update's form \\(momentum True -> False"),
+    "zero_bad_max_norm": (
+        lambda g: ZeroOptimizer([_param()], torch.optim.SGD, lr=0.1, max_norm=0.0), ValueError,
+        "max_norm must be a positive number"),
+    "zero_clipping_interleaved": (
+        lambda g: hook_with_zero_step_interleaved(ch.allreduce_hook, _ddp_zero()[0], ZeroOptimizer(
+            _ddp_zero()[0].module.parameters(), torch.optim.AdamW, lr=0.1, max_norm=1.0)), ValueError,
+        "clips gradients \\(max_norm=1.0\\), .* use hook_with_zero_step"),
+    "zero_param_group_after_hooks": (
+        lambda g: _zero_with_hooks().add_param_group({"params": [_param()]}), RuntimeError,
+        "already laid out for the ZeRO hooks"),
+    "zero_step_hook_with_zero_hooks": (
+        lambda g: _zero_with_hooks().register_step_pre_hook(lambda *a: None), RuntimeError,
+        "step hooks run around step\\(\\)"),
+    "zero_consolidate_to_no_rank": (
+        lambda g: _ddp_zero()[1].consolidate_state_dict(to=2), ValueError, "to=2 is not a rank of the group"),
     "zero_param_without_grad": (
         lambda g: ZeroOptimizer([torch.zeros(2)], torch.optim.SGD, lr=0.1), ValueError, "does not require grad"),
     "zero_mixed_dtypes": (
@@ -182,7 +204,7 @@ CASES = {
         ValueError, "built before torch._dynamo.config.optimize_ddp = 'python_reducer'"),
     "zero_load_state_dict_other_model": (
         lambda g: _ddp_zero()[1].load_state_dict({"state": {}, "param_groups": [{"params": [0, 1, 2]}]}),
-        ValueError, "expected one parameter group of 2 parameters"),
+        ValueError, "expected parameter groups of \\[2\\] parameters, got \\[3\\]"),
     "scaler_unscale_twice": (lambda g: _unscale_twice(), RuntimeError, "unscale_\\(\\) has already been called"),
     "scaler_unsupported_optimizer": (
         lambda g: _scaler_step(torch.optim.Adagrad), TypeError, "supports SGD, Adam, AdamW"),
@@ -264,6 +286,14 @@ def _ddp_zero():
     a ZeroOptimizer over its parameters."""
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
     return ddp, ZeroOptimizer(ddp.module.parameters(), torch.optim.SGD, lr=0.1)
+
+
+def _zero_with_hooks():
+    """A fresh ZeroOptimizer whose ZeRO hooks are built, over the cached DDP's parameters."""
+    ddp = _ddp_zero()[0]
+    zero = ZeroOptimizer(ddp.module.parameters(), torch.optim.SGD, lr=0.1)
+    hook_with_zero_step(ch.allreduce_hook, ddp, zero)
+    return zero
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import compiled_hooks as ch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 import passes
-from compiled_hooks.optim_math import delta_rule
 from compiled_hooks.zero import (ZeroOptimizer, ZeroStep, assign_whole_parameters, hook_with_zero_step,
                                   hook_with_zero_step_interleaved)
 from tests.ranks import run_ranks
@@ -93,6 +92,15 @@ def reference(world_size, opt_name, net="uneven"):
     return history, opt.state_dict()
 
 
+def _consolidated(zero, rank, world_size):
+    """The whole state, as torch.optim keeps it, consolidated onto every rank in turn."""
+    for to in range(world_size):
+        zero.consolidate_state_dict(to)
+        if to == rank:
+            full = zero.state_dict()
+    return full
+
+
 def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", python_reducer=False):
     """For each (optimizer, schedule, shard_buckets): parameters after each step, state bytes,
     and when compiled (``compiler``: "aot_eager", or "inductor" with the default pipeline and
@@ -135,19 +143,19 @@ def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", pyt
                 else:
                     _loss(model, *_batch(rank, step)).backward()
                 history.append([p.detach().clone() for p in net.parameters()])
-        state_dict = zero.state_dict()
+        state_dict = _consolidated(zero, rank, world_size)
         restored = ZeroOptimizer(NETS[net_name]().parameters(), cls, shard_buckets=shard, **kw)
         restored.load_state_dict(state_dict)
         out[(opt_name, schedule, shard)] = dict(
             history=history, state_bytes=zero.state_bytes(), state_dict=state_dict,
-            restored=restored.state_dict(),
+            restored=_consolidated(restored, rank, world_size),
             total=sum(p.numel() for p in net.parameters()), largest=max(p.numel() for p in net.parameters()),
             codes=codes, breaks=dict(torch._dynamo.utils.counters["graph_break"]),
             # parameters in buckets updated over this rank's row only (plan_buckets, delta_rule)
-            own_row_params=sum(map(len, zero._rows)) if zero._uniform_steps and delta_rule(cls, zero.hp) else 0,
+            own_row_params=sum(map(len, zero._row_buckets)) if zero._uniform_steps else 0,
             buckets=len(zero._rows),
             # members outside the planned buckets whose state lies in a planned bucket's run
-            tails_used=0 if shard else sum(start <= lo < start + length for start, length, _, _ in zero._rows.values()
+            tails_used=0 if shard else sum(run.start <= lo < run.start + run.length for run in zero._rows.values()
                                            for i, pieces in enumerate(zero._pieces) if i not in zero._bucket_of
                                            for lo, _ in pieces),
             passes=dict(torch._dynamo.utils.counters["passes"]),
@@ -225,10 +233,10 @@ def test_sharded_update_matches_unsharded_optimizer(world_size, compiled):
 
 
 def test_whole_parameter_assignment_is_balanced():
-    owner, offset, load = assign_whole_parameters([5, 100, 7, 60, 40], 2)
-    assert load == [107, 105] and owner == [1, 0, 0, 1, 1]
+    assigned = assign_whole_parameters([5, 100, 7, 60, 40], 2)
+    assert assigned.load == [107, 105] and assigned.owner == [1, 0, 0, 1, 1]
     # within an owner's buffer, gradient-ready order: rank 1 holds params 0, 3, 4 side by side
-    assert offset == [0, 0, 100, 5, 65]
+    assert assigned.offset == [0, 0, 100, 5, 65]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
@@ -242,6 +250,7 @@ def test_state_layout_keeps_the_buffers_size(world_size):
     from pathlib import Path
 
     from compiled_hooks.zero import lay_out_state
+    from compiled_hooks.zero.layout import owner_rows
     from tests.graphs import zero_optimizer
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
@@ -257,7 +266,8 @@ def test_state_layout_keeps_the_buffers_size(world_size):
     for numels, first_cap, cap in cases:
         zero = zero_optimizer(world_size, [(n,) for n in numels], torch.optim.SGD)
         planned = ZeroStep(None, zero, interleaved=False, bucket_bytes=cap, first_bucket_bytes=first_cap).planned
-        runs, pieces, size = lay_out_state(numels, zero.owner, planned, world_size)
+        layout = lay_out_state(numels, zero.owner, planned, world_size)
+        runs, pieces, size = layout.runs, layout.pieces, layout.size
         load = [sum(n for n, r in zip(numels, zero.owner) if r == rank) for rank in range(world_size)]
         assert size == max(load), (numels, size, load)
         for rank in range(world_size):
@@ -266,8 +276,10 @@ def test_state_layout_keeps_the_buffers_size(world_size):
             assert not mine or mine[-1][0] + mine[-1][1] <= size
         assert [sum(n for _, n in ps) for ps in pieces] == numels
         in_runs = {i for key in runs for i in key}
-        for key, (start, length, _, used) in runs.items():
-            place, _ = zero._owner_rows([(i, zero.params[i]) for i in key])
+        for key, run in runs.items():
+            start, length = run.start, run.length
+            rows = owner_rows([numels[i] for i in key], [zero.owner[i] for i in key], world_size)
+            place, used = rows.place, rows.lengths
             assert [pieces[i] for i in key] == [[(start + at, numels[i])] for i, (_, at) in zip(key, place)]
             assert max(used) == length and sum(used) == sum(numels[i] for i in key)
             tails_seen += any(start <= lo < start + length for i, ps in enumerate(pieces) if i not in in_runs
@@ -346,7 +358,8 @@ def test_traced_whole_parameter_step_computes_only_this_ranks_row(optimizer, kw)
     shapes = [(8,), (4, 4), (16,), (3,), (6,)]
     zero = zero_optimizer(2, shapes, optimizer, **kw)
     fn, args = zero_step_fn(zero, "fp32", interleaved=False, bucket_bytes=10**6)  # one bucket
-    (start, length, _, _), = zero._rows.values()
+    run, = zero._rows.values()
+    start, length = run.start, run.length
     assert (start, length) == (0, 25)  # rows 16 + 8 + ... of the 49 elements: the longer row
     assert zero.state_bytes() == 4 * 25 * len(zero._buffers) + 8 * len(shapes)
     gm = trace(fn, *args(), world_size=2)
