@@ -7,7 +7,9 @@
 Each rank trains the main example's tiny transformer twice from the same seed: once with eager
 DDP and ``torch.optim.AdamW`` (the reference: every rank holds all optimizer state), once with
 compiled DDP whose comm hook is ``hook_with_zero_step_interleaved`` (or ``hook_with_zero_step``
-with ``--schedule after_backward``) over a ``ZeroOptimizer(AdamW)``: backward, the sharded
+with ``--schedule after_backward``) over a ``ZeroOptimizer(AdamW)``; both with two parameter
+groups (no weight decay on biases and norms) and a warmup-then-cosine ``LambdaLR``, which changes
+tensors the compiled step reads, so it never recompiles. Backward, the sharded
 AdamW step and the parameter broadcasts run as one compiled graph, scheduled by this project's
 passes (``--shard-buckets`` also shards every parameter across ranks and turns the
 all_reduce + broadcasts into reduce_scatter + all_gather). Rank 0 prints the losses, the
@@ -25,6 +27,7 @@ import warnings
 # torch warns at import when numpy is missing (numpy is not a dependency).
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+import math
 import os
 import sys
 import time
@@ -44,17 +47,33 @@ from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_ze
 LR = 1e-3
 
 
+def param_groups(net: torch.nn.Module) -> list[dict]:
+    """The usual recipe: weight decay on matrices, none on biases and norms."""
+    params = list(net.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def lr_schedule(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup over 5 steps, then cosine decay."""
+    warmup = 5
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
+
+
 def reference(rank: int, steps: int, device: torch.device) -> tuple[list[float], torch.nn.Module, int]:
     torch.manual_seed(0)
     net = TinyTransformer().to(device)
     model = DistributedDataParallel(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, foreach=False)
+    opt = torch.optim.AdamW(param_groups(net), lr=LR, foreach=False)
+    sched = lr_schedule(opt, steps)
     losses = []
     for step in range(steps):
         opt.zero_grad()
         loss = loss_fn(model, *batch(rank, step, device=device))
         loss.backward()
         opt.step()
+        sched.step()
         losses.append(loss.item())
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     return losses, net, state
@@ -63,7 +82,8 @@ def reference(rank: int, steps: int, device: torch.device) -> tuple[list[float],
 def zero_run(rank: int, steps: int, schedule: str, shard_buckets: bool, log: bool, device: torch.device):
     torch.manual_seed(0)
     net = TinyTransformer().to(device)
-    zero = ZeroOptimizer(net.parameters(), torch.optim.AdamW, shard_buckets=shard_buckets, lr=LR)
+    zero = ZeroOptimizer(param_groups(net), torch.optim.AdamW, shard_buckets=shard_buckets, lr=LR)
+    sched = lr_schedule(zero, steps)  # it changes tensors the compiled step reads: no recompile
     ddp, model = ch.compile_ddp(net)
     make_hook = hook_with_zero_step_interleaved if schedule == "interleaved" else hook_with_zero_step
     ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), make_hook(ch.allreduce_hook, ddp, zero, shard_buckets))
@@ -82,6 +102,7 @@ def zero_run(rank: int, steps: int, schedule: str, shard_buckets: bool, log: boo
         with passes.install(pipeline), ch.compiled_autograd():
             loss = loss_fn(model, tokens, targets)
             loss.backward()  # the optimizer step runs inside
+        sched.step()
         synchronize(device)
         losses.append(loss.item())
         if log:
@@ -94,7 +115,7 @@ def run(rank: int, world_size: int, args) -> bool:
     log = rank == 0
     ref_losses, ref_net, ref_state = reference(rank, args.steps, args.device)
     if log:
-        print(f"--- compiled DDP + ZeroOptimizer(AdamW), schedule {args.schedule}, "
+        print(f"--- compiled DDP + ZeroOptimizer(AdamW, two parameter groups, LambdaLR), schedule {args.schedule}, "
               f"shard_buckets={args.shard_buckets} ---", flush=True)
     losses, net, state = zero_run(rank, args.steps, args.schedule, args.shard_buckets, log, args.device)
     diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(net.parameters(), ref_net.parameters()))

@@ -79,7 +79,8 @@ def train_worker(rank, world_size, cases):
     """Per case (config, schedule, shard_buckets, mode, max_norm): parameters after every step
     of DDP + the ZeRO hook + the scheduler, the norms ZeroOptimizer measured, and (compiled)
     the graphs compiled after the first step. ``mode``: "cpp" (eager DDP's C++ reducer),
-    "python" (its python reducer, eager) or "compiled" (compiled DDP, aot_eager)."""
+    "python" (its python reducer, eager), "compiled" (compiled DDP, aot_eager) or "step" (plain
+    DDP, then ``zero.step()``)."""
     out = {}
     for config, schedule, shard, mode, max_norm in cases:
         cls, kw, decay, scheduler = CONFIGS[config]
@@ -95,8 +96,9 @@ def train_worker(rank, world_size, cases):
         zero = ZeroOptimizer(_groups(net, decay), cls, shard_buckets=shard, max_norm=max_norm, **kw)
         sched = scheduler(zero)
         ddp = DDP(net, bucket_cap_mb=0.001)
-        ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD),
-                               SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard))
+        if mode != "step":
+            ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD),
+                                   SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard))
         model = torch.compile(ddp, backend=backend) if mode == "compiled" else ddp
         history, norms = [], []
         for step in range(STEPS):
@@ -106,6 +108,8 @@ def train_worker(rank, world_size, cases):
                     _loss(model, *_batch(rank, step)).backward()
             else:
                 _loss(model, *_batch(rank, step)).backward()
+            if mode == "step":
+                zero.step()
             sched.step()
             history.append([p.detach().clone() for p in net.parameters()])
             norms.append(float(zero.grad_norm))
@@ -133,7 +137,8 @@ def check(outcomes, world_size):
 GROUPS = [("adamw_lambda", "after_backward", False, "cpp", None), ("adamw_lambda", "interleaved", False, "python", None),
           ("adamw_lambda", "interleaved", True, "cpp", None), ("sgd_step", "after_backward", False, "python", None),
           ("sgd_step", "interleaved", True, "python", None)]
-CLIPPED = [("adamw_lambda", "after_backward", shard, mode, 0.2) for shard in (False, True) for mode in ("cpp", "python")]
+CLIPPED = [("adamw_lambda", "after_backward", shard, mode, 0.2) for shard in (False, True)
+           for mode in ("cpp", "python", "step")]
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -150,7 +155,8 @@ def test_groups_and_schedulers_match_torch(world_size):
 def test_compiled_schedules_never_recompile(world_size):
     """Compiled DDP (aot_eager): the learning rate enters the graph as a tensor, so after the
     first step no graph is compiled again while the scheduler changes it every step."""
-    cases = [("adamw_lambda", "interleaved", False, "compiled", None), ("sgd_step", "after_backward", True, "compiled", None),
+    cases = [("adamw_lambda", "interleaved", False, "compiled", None), ("adamw_lambda", "after_backward", True, "compiled", None),
+             ("sgd_step", "after_backward", True, "compiled", None), ("sgd_step", "interleaved", False, "compiled", None),
              ("adamw_lambda", "after_backward", False, "compiled", 0.2)]
     check(run_ranks(train_worker, world_size, cases, timeout=600), world_size)
 
@@ -158,7 +164,8 @@ def test_compiled_schedules_never_recompile(world_size):
 def test_clipping_matches_clip_grad_norm():
     """max_norm small enough to clip most steps: clip_grad_norm_ then AdamW, within 1e-6, and the
     norm ZeroOptimizer keeps in grad_norm is clip_grad_norm_'s; from the owners' rows (python
-    reducer), the C++ reducer's averaged buckets, and shard_buckets' slices."""
+    reducer), the C++ reducer's averaged buckets, shard_buckets' slices, and ``step()`` after
+    plain DDP."""
     check(run_ranks(train_worker, 2, CLIPPED, timeout=300), 2)
 
 

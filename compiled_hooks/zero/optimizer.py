@@ -100,8 +100,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Args:
         params: parameters, or parameter groups (dicts with ``"params"`` and any of the
-            optimizer's hyperparameters), all requiring grad, of one dtype and device, in the
-            order DDP registers them (its gradient-ready order is the reverse).
+            optimizer's hyperparameters), all requiring grad, of one dtype and device, in any
+            order (the ZeRO hooks plan their buckets in the module's parameter order).
         optimizer_class: ``torch.optim.SGD`` (with or without momentum), ``Adam`` or ``AdamW``.
         process_group: the group to shard over (default: the default group).
         shard_buckets: split every parameter evenly across ranks instead of assigning whole
@@ -168,7 +168,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         extra = {k: v for k, v in group.items() if k not in hp and k != "params"}
         self.param_groups.append(_Group({"params": params, **hp, **extra}, self._hyperparameters_changed, index))
         if self._built:
-            self._build()
+            try:
+                self._build()
+            except Exception:
+                self.param_groups.pop()
+                self._build()
+                raise
 
     def _hyperparameters_changed(self, index: int) -> None:
         if not self._built:
