@@ -36,8 +36,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from compiled_hooks.zero.optim_math import (UPDATES, apply, direction_rule, group_hyperparameters,  # noqa: E402
-                                            rule_of, step_scalars, table_row)
+from compiled_hooks.zero.optim_math import (apply, direction_rule, group_hyperparameters, rule_of,  # noqa: E402
+                                            step_scalars, table_row, update)
 
 HP = group_hyperparameters(torch.optim.AdamW, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01), {})
 FORM = rule_of(torch.optim.AdamW, HP)
@@ -45,7 +45,7 @@ TABLE = torch.tensor([table_row(HP)], dtype=torch.float64)
 
 
 def RULE(p, g, state, s):
-    return UPDATES[torch.optim.AdamW](p, g, state, s, FORM)
+    return update(p, g, state, s, FORM)
 
 
 def scalars(steps: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,7 @@ def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", pyt
             restored=_consolidated(restored, rank, world_size),
             total=sum(p.numel() for p in net.parameters()), largest=max(p.numel() for p in net.parameters()),
             codes=codes, breaks=dict(torch._dynamo.utils.counters["graph_break"]),
-            # parameters in buckets updated over this rank's row only (plan_buckets, delta_rule)
+            # parameters in buckets updated over this rank's row only (plan_buckets, _own_row_buckets)
             own_row_params=sum(map(len, zero._row_buckets)) if zero._uniform_steps else 0,
             buckets=len(zero._rows),
             # members outside the planned buckets whose state lies in a planned bucket's run

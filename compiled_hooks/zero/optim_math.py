@@ -1,7 +1,7 @@
 """Pure, traceable optimizer updates for :mod:`compiled_hooks.zero`, with hyperparameters as
 tensors.
 
-An update is ``update(param, grad, state, s, rule) -> (new_param, new_state)`` on tensors of any
+:func:`update` is ``update(param, grad, state, s, rule) -> (new_param, new_state)`` on tensors of any
 shape: no in-place writes, no Python branches on tensor values. ``state`` maps the names
 torch.optim uses (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``) to tensors of the
 parameter's shape. Two things drive it:
@@ -33,8 +33,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["COLUMNS", "UNSUPPORTED", "Rule", "UPDATES", "check_change", "direction_rule", "group_hyperparameters", "rule_of",
-           "state_names", "step_scalars", "table_row"]
+__all__ = ["COLUMNS", "UNSUPPORTED", "Rule", "apply", "check_change", "direction_rule", "group_hyperparameters", "rule_of",
+           "state_names", "step_scalars", "table_row", "update"]
 
 Hp = dict[str, Any]
 State = dict[str, torch.Tensor]
@@ -71,7 +71,7 @@ def group_hyperparameters(optimizer_class: type, defaults: Hp, group: Hp) -> Hp:
     """A parameter group's hyperparameters (``group``'s over ``defaults``, the keyword arguments
     the optimizer was built with), completed and validated by ``optimizer_class`` itself;
     options the traced updates do not implement are refused with ``ValueError``."""
-    if optimizer_class not in UPDATES:
+    if optimizer_class not in DIRECTIONS:
         raise TypeError(
             f"ZeroOptimizer supports torch.optim.SGD, Adam and AdamW, got {getattr(optimizer_class, '__name__', optimizer_class)}"
         )
@@ -171,7 +171,8 @@ def apply(p: torch.Tensor, direction: torch.Tensor, s: torch.Tensor, rule: Rule)
     return p - _scale(s, rule, p.dtype) * direction
 
 
-def _update(p: torch.Tensor, g: torch.Tensor, state: State, s: torch.Tensor, rule: Rule):
+def update(p: torch.Tensor, g: torch.Tensor, state: State, s: torch.Tensor, rule: Rule):
+    """``(new_param, new_state)``: the whole update of ``p``."""
     if rule.coupled_decay:
         g = g + _s(s, "weight_decay", g.dtype) * p
     direction, state = DIRECTIONS[rule.optimizer_class](g, state, s, rule)
@@ -183,7 +184,6 @@ DIRECTIONS: dict[type, Callable[..., tuple[torch.Tensor, State]]] = {
     torch.optim.Adam: _adam_direction,
     torch.optim.AdamW: _adam_direction,
 }
-UPDATES: dict[type, Callable[..., tuple[torch.Tensor, State]]] = dict.fromkeys(DIRECTIONS, _update)
 
 
 def direction_rule(rule: Rule) -> Optional[Callable[..., tuple[torch.Tensor, State]]]:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from ..ops import group_rank
 from .checkpoint import FlatShard
 from .layout import Piece, Run, assign_whole_parameters, lay_out_state, owner_rows
-from .optim_math import (COLUMNS, UNSUPPORTED, UPDATES, apply, check_change, direction_rule, group_hyperparameters, rule_of,
-                         state_names, step_scalars, table_row)
+from .optim_math import (COLUMNS, UNSUPPORTED, apply, check_change, direction_rule, group_hyperparameters, rule_of,
+                         state_names, step_scalars, table_row, update)
 
 __all__ = ["ZeroOptimizer"]
 
@@ -414,7 +414,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g = g.to(p.dtype) if clip is None else g.to(p.dtype) * clip.to(p.dtype)
             state = self._state_views(i)
             rule = self._rules[self._group_of[i]]
-            new, new_state = UPDATES[self.optimizer_class](p, g, state, s, rule)
+            new, new_state = update(p, g, state, s, rule)
             if self.shard_buckets:
                 for k, t in state.items():
                     t.copy_(new_state[k])
