@@ -2,6 +2,7 @@
 gradient clipping and sharded checkpoints, on gloo ranks against torch.optim fed the averaged
 gradients."""
 
+import copy
 import math
 
 import pytest
@@ -258,10 +259,21 @@ def save_worker(rank, world_size, root):
             state["optim"] = get_optimizer_state_dict(net, zero)
             dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/{shard}", thread_count=1))
         full_state = 2 * sum(p.numel() * p.element_size() for p in net.parameters())  # exp_avg, exp_avg_sq
+        # the one-file checkpoint: consolidated on rank 0, loaded by plain AdamW, one step on
+        zero.consolidate_state_dict(to=0)
+        plain = None
+        if rank == 0:
+            plain = copy.deepcopy(net)
+            opt = torch.optim.AdamW(_groups(plain, 0.1), lr=0.01, foreach=False)
+            opt.load_state_dict(zero.state_dict())
+            opt.zero_grad()
+            (sum(_loss(plain, *_batch(r, 5)) for r in range(world_size)) / world_size).backward()
+            opt.step()
+            plain = [p.detach().clone() for p in plain.parameters()]
         _train(ddp, zero, rank, range(5, 6), world_size)
         after_6 = [p.detach().clone() for p in net.parameters()]
         _train(ddp, zero, rank, range(6, 10), world_size)
-        out[shard] = dict(after_6=after_6, after_10=[p.detach().clone() for p in net.parameters()],
+        out[shard] = dict(after_6=after_6, consolidated_then_plain=plain, after_10=[p.detach().clone() for p in net.parameters()],
                           allocated=(allocated.total, allocated.largest, allocated.ops), full_state=full_state,
                           own_state=zero.state_bytes())
     return out
@@ -301,7 +313,8 @@ def load_worker(rank, world_size, root, steps):
 def test_dcp_checkpoint_resumes_bitwise_and_reshards(tmp_path):
     """Train 5 steps at 2 ranks, save with torch.distributed.checkpoint; loaded at 2 ranks and
     trained 5 more, bitwise the uninterrupted run; loaded at 1 rank into plain AdamW and at 4
-    ranks into the other layout, one step later within 1e-6 of it. Saving allocates no more than
+    ranks into the other layout, and consolidated on rank 0 into plain AdamW's load_state_dict, one
+    step later within 1e-6 of it. Saving allocates no more than
     this rank's own part of the state (no rank gathers the whole of it)."""
     saved = run_ranks(save_worker, 2, str(tmp_path), timeout=300)
     resumed = run_ranks(load_worker, 2, str(tmp_path), range(5, 10), timeout=300)
@@ -311,7 +324,7 @@ def test_dcp_checkpoint_resumes_bitwise_and_reshards(tmp_path):
         for rank in range(2):
             for a, b in zip(resumed[rank][shard], saved[rank][shard]["after_10"]):
                 assert torch.equal(a, b), (shard, rank)
-        for got in [single[0][shard]] + [w[shard] for w in wider]:
+        for got in [single[0][shard], saved[0][shard]["consolidated_then_plain"]] + [w[shard] for w in wider]:
             for a, b in zip(got, saved[0][shard]["after_6"]):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"shard_buckets={shard}")
         for rank in range(2):
