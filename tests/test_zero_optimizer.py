@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_hooks as ch
+import passes
 from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
 from compiled_hooks.zero.checkpoint import flat_boxes
 from tests.ranks import run_ranks
@@ -80,8 +81,9 @@ def train_worker(rank, world_size, cases):
     """Per case (config, schedule, shard_buckets, mode, max_norm): parameters after every step
     of DDP + the ZeRO hook + the scheduler, the norms ZeroOptimizer measured, and (compiled)
     the graphs compiled after the first step. ``mode``: "cpp" (eager DDP's C++ reducer),
-    "python" (its python reducer, eager), "compiled" (compiled DDP, aot_eager) or "step" (plain
-    DDP, then ``zero.step()``)."""
+    "python" (its python reducer, eager), "compiled" (compiled DDP, aot_eager), "inductor" (the
+    same with Inductor) or "step" (plain DDP, then ``zero.step()``); compiled with the default
+    pipeline of passes installed."""
     out = {}
     for config, schedule, shard, mode, max_norm in cases:
         cls, kw, decay, scheduler = CONFIGS[config]
@@ -91,7 +93,7 @@ def train_worker(rank, world_size, cases):
 
         def backend(gm, example_inputs):
             compiles.append(len(history))
-            return gm.forward
+            return torch._dynamo.lookup_backend("inductor")(gm, example_inputs) if mode == "inductor" else gm.forward
 
         net = _net()
         zero = ZeroOptimizer(_groups(net, decay), cls, shard_buckets=shard, max_norm=max_norm, **kw)
@@ -100,12 +102,12 @@ def train_worker(rank, world_size, cases):
         if mode != "step":
             ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD),
                                    SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard))
-        model = torch.compile(ddp, backend=backend) if mode == "compiled" else ddp
+        model = torch.compile(ddp, backend=backend) if mode in ("compiled", "inductor") else ddp
         history, norms = [], []
         for step in range(STEPS):
             zero.zero_grad()
-            if mode == "compiled":
-                with ch.compiled_autograd(backend=backend):
+            if mode in ("compiled", "inductor"):
+                with passes.install(), ch.compiled_autograd(backend=backend):
                     _loss(model, *_batch(rank, step)).backward()
             else:
                 _loss(model, *_batch(rank, step)).backward()
@@ -160,6 +162,13 @@ def test_compiled_schedules_never_recompile(world_size):
              ("sgd_step", "after_backward", True, "compiled", None), ("sgd_step", "interleaved", False, "compiled", None),
              ("adamw_lambda", "after_backward", False, "compiled", 0.2)]
     check(run_ranks(train_worker, world_size, cases, timeout=600), world_size)
+
+
+@pytest.mark.slow
+def test_inductor_with_groups_scheduler_and_clipping():
+    """The production path: Inductor with the default passes, two groups, LambdaLR and
+    clipping, whole parameters after backward; torch's optimizer within 1e-6, no recompiles."""
+    check(run_ranks(train_worker, 2, [("adamw_lambda", "after_backward", False, "inductor", 0.2)], timeout=600), 2)
 
 
 def test_clipping_matches_clip_grad_norm():
