@@ -38,13 +38,6 @@ class HookKind:
     reduce_async: Optional[Callable[..., Any]]
 
 
-def positional_arity(fn: Callable[..., Any]) -> tuple[int, int]:
-    """(required, accepted) positional parameters of ``fn``: how a hook can be called."""
-    params = [p for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return sum(p.default is p.empty for p in params), len(params)
-
-
 def hook_kind(hook: Any, caller: str) -> HookKind:
     """Classify ``hook``; ``TypeError`` naming ``caller`` if it is not callable."""
     if not callable(hook):
@@ -52,7 +45,7 @@ def hook_kind(hook: Any, caller: str) -> HookKind:
     fn = getattr(hook, "tensor_hook", hook)  # ddp_comm_hook(h): h
     params = inspect.signature(fn).parameters
     positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required, accepted = positional_arity(fn)
+    required, accepted = sum(p.default is p.empty for p in positional), len(positional)
     return HookKind(
         fn=fn,
         name=getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn))),

@@ -24,8 +24,8 @@ STEPS = 20
 SCHEDULES = {"after_backward": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 
 
-def _net():
-    torch.manual_seed(0)
+def _net(seed=0):
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.Tanh(), torch.nn.Linear(30, 17), torch.nn.Tanh(),
                                torch.nn.Linear(17, 3))
 
@@ -58,7 +58,7 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def reference(world_size, config, max_norm=None, steps=STEPS):
+def reference(world_size, config, max_norm=None):
     """Parameters after each step of torch's optimizer (same groups and scheduler) on the mean
     of the ranks' gradients, clipped first with clip_grad_norm_ if ``max_norm``; and the norms."""
     cls, kw, decay, scheduler = CONFIGS[config]
@@ -66,7 +66,7 @@ def reference(world_size, config, max_norm=None, steps=STEPS):
     opt = cls(_groups(net, decay), foreach=False, **kw)
     sched = scheduler(opt)
     history, norms = [], []
-    for step in range(steps):
+    for step in range(STEPS):
         opt.zero_grad()
         (sum(_loss(net, *_batch(r, step)) for r in range(world_size)) / world_size).backward()
         if max_norm is not None:
@@ -224,7 +224,7 @@ def test_flat_boxes_cover_a_flat_range():
 
 # -- checkpoints -------------------------------------------------------------------------------
 
-def _zero_run(world_size, shard, net=None):
+def _zero_run(shard, net=None):
     net = net or _net()
     zero = ZeroOptimizer(_groups(net, 0.1), torch.optim.AdamW, shard_buckets=shard, lr=0.01)
     ddp = DDP(net, bucket_cap_mb=0.001)
@@ -261,7 +261,7 @@ def save_worker(rank, world_size, root):
     Returns the parameters after steps 6 and 10, and what saving allocated."""
     out = {}
     for shard in (False, True):
-        net, zero, ddp = _zero_run(world_size, shard)
+        net, zero, ddp = _zero_run(shard)
         _train(ddp, zero, rank, range(5), world_size)
         state = {"model": get_model_state_dict(net)}
         with Allocations() as allocated:
@@ -301,9 +301,7 @@ def load_worker(rank, world_size, root, steps):
     (the two saving ranks' batches averaged). Data: the saving ranks' batches, rank % 2."""
     out = {}
     for shard in (False, True):
-        torch.manual_seed(1 + rank)
-        net = torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.Tanh(), torch.nn.Linear(30, 17), torch.nn.Tanh(),
-                                  torch.nn.Linear(17, 3))
+        net = _net(seed=1 + rank)
         if world_size == 1:
             opt = torch.optim.AdamW(_groups(net, 0.1), lr=0.01, foreach=False)
             _load(net, opt, f"{root}/{shard}")
@@ -312,7 +310,7 @@ def load_worker(rank, world_size, root, steps):
                 (sum(_loss(net, *_batch(r, step)) for r in range(2)) / 2).backward()
                 opt.step()
         else:
-            net, zero, ddp = _zero_run(world_size, shard if world_size == 2 else not shard, net)
+            net, zero, ddp = _zero_run(shard if world_size == 2 else not shard, net)
             _load(net, zero, f"{root}/{shard}")
             _train(ddp, zero, rank, steps, 2)
         out[shard] = [p.detach().clone() for p in net.parameters()]

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["COLUMNS", "UNSUPPORTED", "Rule", "apply", "check_change", "direction_rule", "group_hyperparameters", "rule_of",
+__all__ = ["COLUMNS", "DIRECTION_COLUMNS", "UNSUPPORTED", "Rule", "apply", "check_change", "direction_rule", "group_hyperparameters", "rule_of",
            "state_names", "step_scalars", "table_row", "update"]
 
 Hp = dict[str, Any]
@@ -184,6 +184,9 @@ DIRECTIONS: dict[type, Callable[..., tuple[torch.Tensor, State]]] = {
     torch.optim.Adam: _adam_direction,
     torch.optim.AdamW: _adam_direction,
 }
+# the COLUMNS each direction reads
+DIRECTION_COLUMNS = {torch.optim.SGD: ("momentum", "dampening"), torch.optim.Adam: ("beta1", "beta2", "eps"),
+                     torch.optim.AdamW: ("beta1", "beta2", "eps")}
 
 
 def direction_rule(rule: Rule) -> Optional[Callable[..., tuple[torch.Tensor, State]]]:

@@ -31,18 +31,13 @@ import torch.nn.functional as F
 from ..ops import group_rank
 from .checkpoint import FlatShard
 from .layout import Piece, Run, assign_whole_parameters, lay_out_state, owner_rows
-from .optim_math import (COLUMNS, UNSUPPORTED, apply, check_change, direction_rule, group_hyperparameters, rule_of,
+from .optim_math import (COLUMNS, DIRECTION_COLUMNS, UNSUPPORTED, apply, check_change, direction_rule, group_hyperparameters, rule_of,
                          state_names, step_scalars, table_row, update)
 
 __all__ = ["ZeroOptimizer"]
 
-# the columns the direction of a bucket's own row reads: a bucket's members must agree on them
-_DIRECTION_COLUMNS = {torch.optim.SGD: ("momentum", "dampening"), torch.optim.Adam: ("beta1", "beta2", "eps"),
-                      torch.optim.AdamW: ("beta1", "beta2", "eps")}
-
-
 # the group keys the step reads: COLUMNS, and what its form depends on
-WATCHED = frozenset(COLUMNS) | {"betas", "nesterov", "decoupled_weight_decay", *UNSUPPORTED}
+_WATCHED = frozenset(COLUMNS) | {"betas", "nesterov", "decoupled_weight_decay", *UNSUPPORTED}
 
 
 class _Group(dict):
@@ -56,7 +51,7 @@ class _Group(dict):
     def __setitem__(self, key: str, value: Any) -> None:
         had, old = key in self, self.get(key)
         super().__setitem__(key, value)
-        if key not in WATCHED:
+        if key not in _WATCHED:
             return
         try:
             self._on_change(self._index)
@@ -235,7 +230,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         update reads the parameter only as ``param * decay - scale * direction``
         (:func:`~.optim_math.direction_rule`), and the members' groups agree on what the
         direction reads (Adam's betas and eps, SGD's momentum and dampening)."""
-        columns = [COLUMNS.index(c) for c in _DIRECTION_COLUMNS[self.optimizer_class]]
+        columns = [COLUMNS.index(c) for c in DIRECTION_COLUMNS[self.optimizer_class]]
         rows = [[table_row(group)[c] for c in columns] for group in self.param_groups]
         ok = []
         for key in self._rows:
@@ -313,6 +308,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _own_slices(self, items: list[tuple[int, torch.Tensor]], flat: torch.Tensor) -> list[torch.Tensor]:
         """This rank's slice of every member of a rank-major bucket ``flat`` (see :meth:`reduce_bucket`)."""
         return list(self._own_row(flat).split([self._chunks[i] for i, _ in items]))
+
+    def _slice_bounds(self, i: int) -> tuple[int, int]:
+        """``shard_buckets``: the elements ``lo .. hi`` of parameter ``i`` (flat) this rank keeps,
+        its slice without the padding."""
+        n = self.params[i].numel()
+        lo = min(self.rank * self._chunks[i], n)
+        return lo, min(lo + self._chunks[i], n)
 
     def _own_slice(self, i: int, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t``, shaped like parameter ``i``'s chunk (``shard_buckets``)."""
@@ -512,14 +514,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                    for k, buf in self._buffers.items()})
             at += n
 
-    def update(self, i: int, grad: torch.Tensor) -> None:
-        """:meth:`update_bucket` of the one parameter ``i`` with its averaged gradient (no clipping)."""
+    def _own_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s averaged gradient as :meth:`update_bucket` takes it (with
+        ``shard_buckets``, this rank's slice), its shape checked first."""
         p = self.params[i]
         if grad.shape != p.shape:
             raise ValueError(f"ZeroOptimizer: gradient of shape {tuple(grad.shape)} for parameter {i} of shape {tuple(p.shape)}")
-        if self.shard_buckets:
-            grad = self._own_slice(i, grad)
-        self.update_bucket([(i, grad)])
+        return self._own_slice(i, grad) if self.shard_buckets else grad
+
+    def update(self, i: int, grad: torch.Tensor) -> None:
+        """:meth:`update_bucket` of the one parameter ``i`` with its averaged gradient (no clipping)."""
+        self.update_bucket([(i, self._own_grad(i, grad))])
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Update every parameter that has a gradient, from ``param.grad`` as it is (average the
@@ -529,13 +534,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = []
-        for i, p in enumerate(self.params):
-            if p.grad is not None:
-                if p.grad.shape != p.shape:
-                    raise ValueError(f"ZeroOptimizer: gradient of shape {tuple(p.grad.shape)} for parameter {i} "
-                                     f"of shape {tuple(p.shape)}")
-                items.append((i, self._own_slice(i, p.grad) if self.shard_buckets else p.grad))
+        items = [(i, self._own_grad(i, p.grad)) for i, p in enumerate(self.params) if p.grad is not None]
         clip = self.clip_coefficient([(items, None)]) if self.max_norm is not None and items else None
         for item in items:
             self.update_bucket([item], clip=clip)
@@ -568,9 +567,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         entry: dict[str, Any] = {"step": self._steps[i].to(torch.float32).cpu()}
         p = self.params[i]
         if self.shard_buckets:
-            lo = self.rank * self._chunks[i]
-            held = max(0, min(self._chunks[i], p.numel() - lo))
-            entry.update({k: FlatShard(t[:held], tuple(p.shape), min(lo, p.numel())) for k, t in self._state[i].items()})
+            lo, hi = self._slice_bounds(i)
+            entry.update({k: FlatShard(t[:hi - lo], tuple(p.shape), lo) for k, t in self._state[i].items()})
         elif self.owner[i] == self.rank:
             entry.update(self._state_views(i))
         return entry
@@ -694,8 +692,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                      "on that rank; use torch.distributed.checkpoint to reshard)")
                 continue
             if isinstance(value, FlatShard):
-                lo = self.rank * self._chunks[i] if self.shard_buckets else 0
-                if not self.shard_buckets or tuple(value.shape) != tuple(p.shape) or value.lo != min(lo, p.numel()):
+                if (not self.shard_buckets or tuple(value.shape) != tuple(p.shape)
+                        or value.lo != self._slice_bounds(i)[0]):
                     raise ValueError(f"ZeroOptimizer.load_state_dict: state {k!r} of parameter {i} is another "
                                      f"rank's slice ({value}); use torch.distributed.checkpoint to reshard")
                 self._state[i][k][:value.local.numel()].copy_(value.local)
