@@ -24,7 +24,9 @@ def check_state(hook: str, state: object, low_precision: bool = False) -> None:
 def check_tensor(hook: str, name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{hook}: {name} must be a torch.Tensor, got {type(t).__name__}.")
-    if t.layout != torch.strided:
+    # Dynamo refuses to read .layout in an autograd.Function's backward (where data_parallel
+    # calls the hooks); every tensor it traces there is strided.
+    if not torch.compiler.is_compiling() and t.layout != torch.strided:
         raise TypeError(f"{hook}: {name} must be a dense (strided) tensor, got layout {t.layout}.")
     if not t.is_floating_point():
         raise TypeError(f"{hook}: {name} must be a floating-point tensor, got dtype {t.dtype}.")

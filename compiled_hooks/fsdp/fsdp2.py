@@ -43,8 +43,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo
 
-from .state import DefaultState
-from .hook_kind import hook_kind
+from ..state import DefaultState
+from ..hook_kind import hook_kind
 
 __all__ = ["register_comm_hook", "get_comm_hook", "HookReduceScatter", "HookAllReduce"]
 

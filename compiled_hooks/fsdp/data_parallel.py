@@ -1,0 +1,286 @@
+"""Compile-native FSDP: ``data_parallel(module, mesh)`` shards a module's parameters as DTensors
+and gathers them on use with functional collectives, so ``torch.compile`` traces forward and
+backward, collectives included, as one graph (the SimpleFSDP design).
+
+- Parameters are ``nn.Parameter(DTensor)``: ``Shard(0)`` (``"fully_shard"``), ``Replicate()``
+  (``"replicate"``) or ``(Replicate(), Shard(0))`` on a (replicate, shard) mesh
+  (``"hybrid_shard"``). ``state_dict()``, ``torch.distributed.checkpoint`` and ``torch.optim``
+  see the shards, as with FSDP2; outside the root's forward, ``module.weight`` is that DTensor.
+- Inside the root's forward, reading a parameter gathers it (:mod:`.gather`): cast to
+  ``param_dtype``, all-gather, and in backward the gradient goes through the comm hook, by
+  default the reduce-scatter (all-reduce for ``"replicate"``) in ``reduce_dtype``, and comes
+  back in the parameter's dtype as the DTensor gradient of the shard.
+- A parameter held by several modules (tied embeddings) stays one parameter: it is gathered
+  once per forward and its gradient, the sum over its uses, is reduced once.
+- Blocks: the parameters of one block are gathered together (the passes bucket them). By
+  default a block is each child of the outermost ``nn.ModuleList`` / ``nn.Sequential`` that
+  has parameters, and the root holds the rest. Each block's floating-point inputs are cast to
+  ``param_dtype``, like FSDP2's ``cast_forward_inputs``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_map
+
+from ..hook_kind import hook_kind
+from ..hooks import allreduce_hook, reduce_scatter_hook
+from ..state import DefaultState, LowPrecisionState
+from .gather import Layout, Reduction, gather
+
+__all__ = ["data_parallel", "DataParallelState", "MODES"]
+
+MODES = {"fully_shard": 1, "replicate": 1, "hybrid_shard": 2}  # mode -> mesh dimensions
+_CLASSES: dict[tuple[type, frozenset], type] = {}
+
+
+class DataParallelState:
+    """What ``data_parallel`` attaches to the root as ``module._data_parallel``."""
+
+    def __init__(self, mode: str, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, reshard: bool,
+                 blocks: dict[str, nn.Module]):
+        self.mode, self.mesh, self.mp_policy, self.reshard = mode, mesh, mp_policy, reshard
+        self.blocks = blocks
+        self.shard_group = None if mode == "replicate" else mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mode != "fully_shard" else None
+        hook_group = self.replicate_group if mode == "replicate" else self.shard_group
+        self.reduction = Reduction(self.shard_group, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                                   allreduce_hook if mode == "replicate" else reduce_scatter_hook,
+                                   DefaultState(hook_group))
+        if mode == "hybrid_shard":
+            self.reduction.replica_hook, self.reduction.replica_state = allreduce_hook, DefaultState(self.replicate_group)
+        self.comm_hook: Optional[Callable[..., Any]] = None
+        self.comm_hook_state: Any = None
+        self.active = False  # inside the root's forward: parameter reads gather
+        self.gathered: dict[str, torch.Tensor] = {}  # shared parameters, gathered once per forward
+        self.forwards = 0
+
+
+def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
+    param = module._parameters[name]
+    dp = module._data_parallel_root
+    if not dp.active:
+        return param
+    layout = module._data_parallel_layouts[name]
+    if layout.name not in module._data_parallel_shared:
+        return gather(param.to_local(), layout, dp.reduction, dp.reshard)
+    if layout.name not in dp.gathered:  # one gather, so one reduction of the summed gradient
+        dp.gathered[layout.name] = gather(param.to_local(), layout, dp.reduction, dp.reshard)
+    return dp.gathered[layout.name]
+
+
+def _swap_class(module: nn.Module, names: Iterable[str]) -> None:
+    """Give ``module`` a subclass whose parameter attributes read through
+    :func:`_read_parameter` (one subclass per original class and parameter names)."""
+    key = (type(module), frozenset(names))
+    if key not in _CLASSES:
+        props = {n: property(lambda self, n=n: _read_parameter(self, n)) for n in key[1]}
+        _CLASSES[key] = type(f"DataParallel{type(module).__name__}", (type(module),), props)
+    module.__class__ = _CLASSES[key]
+
+
+def _default_blocks(module: nn.Module) -> dict[str, nn.Module]:
+    blocks: dict[str, nn.Module] = {}
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and any(True for _ in child.parameters()):
+                blocks[path] = child
+            else:
+                visit(path + ".", child)
+
+    visit("", module)
+    return blocks
+
+
+def _check(module: nn.Module, mesh: DeviceMesh, mode: str, mp_policy: Any, reshard: Any) -> None:
+    name = "data_parallel"
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{name}: expected an nn.Module, got {type(module).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"{name}: mode must be one of {sorted(MODES)}, got {mode!r}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{name}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != MODES[mode]:
+        layout = "a 2-D (replicate, shard) mesh" if mode == "hybrid_shard" else "a 1-D mesh"
+        raise ValueError(f"{name}: mode {mode!r} needs {layout}, got a {mesh.ndim}-D mesh")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"{name}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, "
+                        f"got {type(mp_policy).__name__}")
+    if not isinstance(reshard, bool):
+        raise TypeError(f"{name}: reshard_after_forward must be a bool, got {reshard!r}")
+    for path, m in module.named_modules():
+        what = f"submodule {path!r}" if path else "the module"
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"{name}: {what} is already wrapped by FSDP2 (fully_shard / replicate)")
+        if hasattr(m, "_data_parallel_root"):
+            raise ValueError(f"{name}: {what} is already wrapped by data_parallel")
+    devices = {p.device for p in module.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"{name}: the parameters are on several devices {sorted(map(str, devices))}; "
+                         "move the module to one device first")
+    if devices and next(iter(devices)).type != mesh.device_type:
+        raise ValueError(f"{name}: the parameters are on {next(iter(devices))} but the mesh is "
+                         f"a {mesh.device_type!r} mesh")
+    if mode != "replicate":
+        for path, p in module.named_parameters():
+            if p.dim() == 0:
+                raise ValueError(f"{name}: parameter {path!r} is a scalar, which cannot be sharded on dim 0; "
+                                 "make it a 1-element tensor")
+
+
+def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+    return hook
+
+
+def data_parallel(module: nn.Module, mesh: DeviceMesh, *, mode: str = "fully_shard",
+                  mp_policy: Optional[MixedPrecisionPolicy] = None, reshard_after_forward: bool = True,
+                  blocks: Optional[Iterable[nn.Module]] = None) -> nn.Module:
+    """Shard ``module`` over ``mesh`` in place and return it; see the module docstring.
+
+    ``blocks``: the modules whose parameters are gathered together and whose inputs are cast
+    (default: the children of the outermost ``ModuleList`` / ``Sequential`` containers). No
+    communication happens here: every rank must hold the same initial parameters, as FSDP2
+    assumes.
+    """
+    _check(module, mesh, mode, mp_policy, reshard_after_forward)
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    paths = {m: p for p, m in module.named_modules()}
+    if blocks is None:
+        block_map = _default_blocks(module)
+    else:
+        block_map = {}
+        for b in blocks:
+            if b not in paths or b is module:
+                raise ValueError(f"data_parallel: block {type(b).__name__} is not a submodule of the module")
+            block_map[paths[b]] = b
+    dp = DataParallelState(mode, mesh, mp_policy, reshard_after_forward, block_map)
+    placements = {"fully_shard": [Shard(0)], "replicate": [Replicate()],
+                  "hybrid_shard": [Replicate(), Shard(0)]}[mode]
+    shard_size = 1 if dp.shard_group is None else dist.get_world_size(dp.shard_group)
+
+    def block_of(path: str) -> str:
+        owners = [b for b in block_map if path == b or path.startswith(b + ".")]
+        return max(owners, key=len, default="")
+
+    sharded: dict[int, tuple[nn.Parameter, Layout]] = {}
+    uses: dict[int, int] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                uses[id(p)] = uses.get(id(p), 0) + 1
+    for path, m in module.named_modules(remove_duplicate=False):
+        names = [n for n, p in m._parameters.items() if p is not None]
+        if not names or hasattr(m, "_data_parallel_layouts"):
+            continue
+        layouts, shared = {}, set()
+        for n in names:
+            p = m._parameters[n]
+            if id(p) not in sharded:
+                dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
+                rows = 0 if mode == "replicate" else math.ceil(p.shape[0] / shard_size)
+                local_rows = dt.to_local().shape[0] if p.dim() else 0
+                fqn = f"{path}.{n}" if path else n
+                sharded[id(p)] = (nn.Parameter(dt, requires_grad=p.requires_grad),
+                                  Layout(fqn, p.shape, rows, local_rows, block_of(path)))
+            new, layout = sharded[id(p)]
+            m._parameters[n] = new
+            layouts[n] = layout
+            if uses[id(p)] > 1:
+                shared.add(layout.name)
+        m._data_parallel_layouts, m._data_parallel_shared, m._data_parallel_root = layouts, shared, dp
+        _swap_class(m, names)
+    for m in module.modules():
+        m._data_parallel_root = dp
+    module._data_parallel = dp
+    if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
+        for m in [module, *block_map.values()]:
+            m.register_forward_pre_hook(_cast_inputs(mp_policy.param_dtype), with_kwargs=True)
+    module.register_forward_pre_hook(_begin_forward)
+    module.register_forward_hook(_end_forward, always_call=True)
+    return module
+
+
+def _begin_forward(module: nn.Module, args: Any) -> None:
+    dp = module._data_parallel
+    dp.active, dp.gathered = True, {}
+    dp.forwards += 1
+
+
+def _end_forward(module: nn.Module, args: Any, output: Any) -> Any:
+    dp = module._data_parallel
+    dp.active, dp.gathered = False, {}
+    dtype = dp.mp_policy.output_dtype
+    if dtype is not None:
+        output = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                          output)
+    return output
+
+
+def is_data_parallel(module: nn.Module) -> bool:
+    return hasattr(module, "_data_parallel_root")
+
+
+ROOT_ONLY = "register_comm_hook can only be called on a root instance."
+ALREADY = "A communication hook is already registered"
+
+
+def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..., Any]) -> None:
+    """Reduce the gradients of a ``data_parallel`` root through ``hook`` (FSDP1's rules: root
+    only, once, before the first forward). ``"fully_shard"`` and ``"hybrid_shard"`` call
+    ``hook(state, grad, output)`` with ``state`` over the shard group; ``"hybrid_shard"`` then
+    all-reduces the shard across the replicas with the same hook's ``hook(state, grad)`` form
+    (``allreduce_hook`` for ``reduce_scatter_hook``) over the replicate group, so the result is
+    averaged over all ranks. ``"replicate"`` calls ``hook(state, grad)``."""
+    name = "register_comm_hook"
+    dp = getattr(module, "_data_parallel", None)
+    if dp is None:
+        raise AssertionError(ROOT_ONLY)
+    if not isinstance(state, DefaultState):
+        raise TypeError(f"{name}: state must be a DefaultState or LowPrecisionState, got {type(state).__name__}")
+    if dp.comm_hook is not None:
+        raise AssertionError(ALREADY)
+    if dp.forwards:
+        raise RuntimeError(f"{name}: register the hook before the first forward; compiled graphs already "
+                           "hold the default reduction")
+    kind = hook_kind(hook, name)
+    replica_hook = None
+    if dp.mode == "replicate":
+        ok, need, group = kind.all_reduce, "hook(state, grad) (an all-reduce hook)", dp.replicate_group
+    else:
+        ok, need, group = kind.reduce_scatter, "hook(state, grad, output) (a reduce-scatter hook)", dp.shard_group
+        if dp.mode == "hybrid_shard":
+            replica_hook = allreduce_hook if kind.fn is reduce_scatter_hook else (hook if kind.all_reduce else None)
+            if replica_hook is None:
+                ok, need = False, "a hook that also reduces as hook(state, grad), for the replicas"
+    if not ok:
+        raise TypeError(f"{name}: {kind.name!r} cannot reduce a {dp.mode!r} module, which calls {need}")
+    if state.world_size != dist.get_world_size(group):
+        raise ValueError(f"{name}: the state's group has {state.world_size} ranks but the module "
+                         f"reduces over a group of {dist.get_world_size(group)}; build the state with "
+                         f"{'mesh.get_group(1), the shard group' if dp.mode == 'hybrid_shard' else 'the mesh group'}")
+    low_precision = isinstance(state, LowPrecisionState)
+    if low_precision and dp.mp_policy.reduce_dtype is not None:
+        raise ValueError(f"{name}: the MixedPrecisionPolicy casts gradients to {dp.mp_policy.reduce_dtype} "
+                         "before the hook; a compression hook compresses by itself, so leave reduce_dtype unset.")
+    r = dp.reduction
+    r.hook, r.state = kind.fn, state
+    if replica_hook is not None:
+        r.replica_hook = replica_hook
+        r.replica_state = (LowPrecisionState(dp.replicate_group, state.parameter_type) if low_precision
+                           else DefaultState(dp.replicate_group))
+    dp.comm_hook, dp.comm_hook_state = hook, state

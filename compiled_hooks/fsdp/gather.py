@@ -1,0 +1,132 @@
+"""The traced code of one compile-native FSDP parameter use: gather it in forward, reduce its
+gradient through the comm hook in backward.
+
+For a parameter of ``R`` rows sharded over ``N`` ranks, each rank holds ``ceil(R / N)`` rows or
+fewer (``torch.chunk``'s split, as FSDP2 and DTensor's ``Shard(0)``); the last ranks' shards are
+padded to that row count so every collective has the same size on every rank::
+
+    forward:   full = all_gather(pad(shard.to(param_dtype)))[:R]
+    backward:  out = empty(rows); hook(state, pad(grad), out)   # reduce-scatter, rank-major
+               replica_hook(replica_state, out)                  # hybrid_shard only
+               shard_grad = out[:local_rows].to(shard.dtype)
+
+and for ``"replicate"``: ``full = shard.to(param_dtype)`` forward, ``hook(state, grad)``
+(an all-reduce) backward. With ``reshard=True`` the gather runs under a selective activation
+checkpoint whose policy recomputes every op in it, so under ``torch.compile`` the partitioner
+saves the shard, not the gathered parameter, and the backward graph gathers again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..state import LowPrecisionState
+
+__all__ = ["Layout", "Reduction", "gather"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one parameter's rows live: ``rows`` per rank after padding (0: replicated) and
+    this rank's real ``local_rows``; ``name`` is its fully qualified name and ``block`` names
+    the module group it is gathered with."""
+    name: str
+    shape: torch.Size
+    rows: int
+    local_rows: int
+    block: str
+
+
+@dataclasses.dataclass
+class Reduction:
+    """What a gradient goes through in backward: the gather group, the hook and its state, and
+    for hybrid_shard the replicas' all-reduce hook and state. ``reduce_dtype`` casts the
+    gradient before a hook whose state is not a ``LowPrecisionState`` (a compression hook
+    casts by itself)."""
+    shard_group: Optional[dist.ProcessGroup]
+    param_dtype: Optional[torch.dtype]
+    reduce_dtype: Optional[torch.dtype]
+    hook: Callable[..., Any]
+    state: Any
+    replica_hook: Optional[Callable[..., Any]] = None
+    replica_state: Any = None
+
+    def shard_size(self) -> int:
+        return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
+
+    def hook_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(dtype the hook's input is cast to, dtype of its output)."""
+        if isinstance(self.state, LowPrecisionState):
+            out = self.state.parameter_type
+            return (grad_dtype if self.shard_group is not None else out), out
+        dtype = self.reduce_dtype or grad_dtype
+        return dtype, dtype
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    missing = rows - t.shape[0]
+    if missing == 0:
+        return t
+    return F.pad(t, [0, 0] * (t.dim() - 1) + [0, missing])
+
+
+class _GatherReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, layout: Layout, reduction: Reduction) -> torch.Tensor:
+        ctx.layout, ctx.reduction, ctx.dtype = layout, reduction, shard.dtype
+        x = shard if reduction.param_dtype is None else shard.to(reduction.param_dtype)
+        if reduction.shard_group is None:
+            return x.view_as(x) if x is shard else x
+        full = fcol.all_gather_single(_pad_rows(x, layout.rows), 0, reduction.shard_group)
+        return fcol.wait_tensor(full)[: layout.shape[0]]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        layout, r = ctx.layout, ctx.reduction
+        in_dtype, out_dtype = r.hook_dtypes(grad.dtype)
+        if r.shard_group is None:
+            g = grad.to(in_dtype, copy=True)
+            r.hook(r.state, g)
+            return g.to(ctx.dtype), None, None
+        g = _pad_rows(grad.to(in_dtype), layout.rows * r.shard_size()).contiguous()
+        out = g.new_empty((layout.rows, *layout.shape[1:]), dtype=out_dtype)
+        r.hook(r.state, g, out)
+        if r.replica_hook is not None:
+            r.replica_hook(r.replica_state, out)
+        return out[: layout.local_rows].to(ctx.dtype), None, None
+
+
+def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+_RESHARD = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+
+
+class _DropCheckpointNotice(logging.Filter):
+    """torch warns once per process that a checkpoint ``context_fn`` region must not hold
+    in-place ops; the gather's region holds none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropCheckpointNotice())
+
+
+def gather(shard: torch.Tensor, layout: Layout, reduction: Reduction, reshard: bool) -> torch.Tensor:
+    """The full parameter from this rank's ``shard`` (see the module docstring). ``reshard``
+    applies under ``torch.compile`` only: eager autograd keeps what the consumers save."""
+    if reshard and reduction.shard_group is not None and torch.compiler.is_compiling():
+        return checkpoint(_GatherReduce.apply, shard, layout, reduction,
+                          use_reentrant=False, context_fn=_RESHARD)
+    return _GatherReduce.apply(shard, layout, reduction)

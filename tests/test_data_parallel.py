@@ -1,0 +1,266 @@
+"""compiled_hooks.fsdp.data_parallel (compile-native FSDP) against FSDP2 on gloo ranks: every
+mode, reshard_after_forward True and False, fp32 and bf16 parameters, eager and compiled, a
+model with tied embeddings and shards of uneven size; the comm hooks and their registration
+rules; checkpoints; the grad scaler."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import compiled_hooks as ch
+from compiled_hooks.fsdp import ALREADY, ROOT_ONLY, data_parallel, get_comm_hook, register_comm_hook
+from tests.ranks import run_ranks
+
+VOCAB, DIM, HIDDEN = 10, 8, 13  # rows 10 and 13: shards of uneven size on 2 and 4 ranks
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    """Embedding, two blocks, and an output layer tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_mesh(mode, world_size):
+    if mode == "hybrid_shard":
+        return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world_size,))
+
+
+def fsdp2(mesh, mode, reshard, mp):
+    """The same model under FSDP2: each block, then the root (which holds the tied weight)."""
+    net, mp = Net(), mp or MixedPrecisionPolicy()
+    wrap = ((lambda m: replicate(m, mesh=mesh, mp_policy=mp)) if mode == "replicate" else
+            (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)))
+    for block in net.blocks:
+        wrap(block)
+    return wrap(net)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def train_both(rank, ref, model, run, steps=5):
+    """AdamW steps on both; the largest relative gradient and parameter differences."""
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1 + rank)
+    grad_diff = 0.0
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (4, 6), generator=g)
+        ref(tokens).float().square().mean().backward()
+        run(tokens).float().square().mean().backward()
+        for a, b in zip(ref.parameters(), model.parameters()):
+            grad_diff = max(grad_diff, rel(b.grad.full_tensor(), a.grad.full_tensor()))
+        for opt_ in (opt_ref, opt):
+            opt_.step()
+            opt_.zero_grad()
+    param_diff = max(rel(b.full_tensor(), a.full_tensor()) for a, b in zip(ref.parameters(), model.parameters()))
+    return grad_diff, param_diff
+
+
+def numerics_worker(rank, world_size, mode, configs, compiled):
+    mesh = make_mesh(mode, world_size)
+    out = {}
+    for reshard, mp in configs:
+        torch._dynamo.reset()
+        ref, model = fsdp2(mesh, mode, reshard, mp), data_parallel(Net(), mesh, mode=mode,
+                                                                    reshard_after_forward=reshard, mp_policy=mp)
+        assert len(list(model.parameters())) == len(list(ref.parameters())) == 9  # the tie is kept
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        key = (reshard, None if mp is None else mp.param_dtype)
+        out[key] = train_both(rank, ref, model, run) + ([p.to_local().clone() for p in model.parameters()],)
+    return out
+
+
+TOLERANCE = {None: 1e-6, torch.bfloat16: 1e-2}
+BOTH = [(True, None), (False, None), (True, BF16), (False, BF16)]
+RUNS = [
+    pytest.param(2, "fully_shard", BOTH, False, id="2-fully_shard-eager"),
+    pytest.param(2, "replicate", [(True, None), (True, BF16)], False, id="2-replicate-eager"),
+    pytest.param(2, "fully_shard", [(True, None), (False, BF16)], True, id="2-fully_shard-compiled"),
+    pytest.param(2, "fully_shard", [(False, None), (True, BF16)], True, id="2-fully_shard-compiled-b",
+                 marks=pytest.mark.slow),
+    pytest.param(2, "replicate", [(True, None), (True, BF16)], True, id="2-replicate-compiled",
+                 marks=pytest.mark.slow),
+    pytest.param(4, "fully_shard", BOTH, False, id="4-fully_shard-eager", marks=pytest.mark.slow),
+    pytest.param(4, "hybrid_shard", BOTH, False, id="4-hybrid_shard-eager", marks=pytest.mark.slow),
+    pytest.param(4, "hybrid_shard", [(True, None), (False, BF16)], True, id="4-hybrid_shard-compiled",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("world_size,mode,configs,compiled", RUNS)
+def test_matches_fsdp2(world_size, mode, configs, compiled):
+    results = run_ranks(numerics_worker, world_size, mode, configs, compiled, timeout=600)
+    for key in results[0]:
+        tol = TOLERANCE[key[1]]
+        for rank, res in enumerate(results):
+            grad_diff, param_diff, _ = res[key]
+            assert grad_diff <= tol and param_diff <= tol, (key, rank, grad_diff, param_diff)
+        # the ranks holding the same shard coordinate hold the same values, bit for bit
+        shard = 1 if mode == "replicate" else world_size // (2 if mode == "hybrid_shard" else 1)
+        for rank in range(shard, world_size):
+            twin = results[rank % shard][key][2]
+            assert all(torch.equal(a, b) for a, b in zip(results[rank][key][2], twin)), (key, rank)
+
+
+# --- comm hooks -------------------------------------------------------------------------------
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return type(e), str(e)
+    return None, "no exception"
+
+
+def hooks_worker(rank, world_size, mode):
+    mesh = make_mesh(mode, world_size)
+    shard_group = mesh.get_group(mesh.ndim - 1)
+    replicated = mode == "replicate"
+    out = {}
+    # the bf16 hook against FSDP2's reduce_dtype=bf16
+    ref = fsdp2(mesh, mode, True, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    model = data_parallel(Net(), mesh, mode=mode)
+    state = ch.LowPrecisionState(shard_group)
+    register_comm_hook(model, state, ch.bf16_compress_hook)
+    out["registered"] = get_comm_hook(model) == (ch.bf16_compress_hook, state) == get_comm_hook(model.blocks[0])
+    out["bf16"] = train_both(rank, ref, model, model)
+    # a hook that sums instead of averaging is visible in the gradients
+    ref = fsdp2(mesh, mode, True, None)
+    model = data_parallel(Net(), mesh, mode=mode)
+
+    def summing_hook(state, grad, output=None):
+        ch.allreduce_hook(state, grad) if output is None else ch.reduce_scatter_hook(state, grad, output)
+        (grad if output is None else output).mul_(state.world_size)
+    register_comm_hook(model, ch.DefaultState(shard_group), summing_hook)
+    out["sum"] = train_both(rank, ref, model, model, steps=1)[0]
+    # registration rules
+    model = data_parallel(Net(), mesh, mode=mode)
+    plain = ch.allreduce_hook if replicated else ch.reduce_scatter_hook
+    out["non-root"] = _raises(lambda: register_comm_hook(model.blocks[0], ch.DefaultState(shard_group), plain))
+    register_comm_hook(model, ch.DefaultState(shard_group), plain)
+    out["twice"] = _raises(lambda: register_comm_hook(model, ch.DefaultState(shard_group), plain))
+    model = data_parallel(Net(), mesh, mode=mode)
+    model(torch.zeros(1, 1, dtype=torch.long))
+    out["after forward"] = _raises(lambda: register_comm_hook(model, ch.DefaultState(shard_group), plain))
+    model = data_parallel(Net(), mesh, mode=mode, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    out["hook and reduce_dtype"] = _raises(
+        lambda: register_comm_hook(model, ch.LowPrecisionState(shard_group), ch.bf16_compress_hook))
+    model = data_parallel(Net(), mesh, mode=mode)
+    out["wrong group"] = _raises(lambda: register_comm_hook(
+        model, ch.DefaultState(dist.new_group([rank])), plain))
+    return out
+
+
+HOOK_RUNS = [pytest.param(2, "fully_shard", id="2-fully_shard"), pytest.param(2, "replicate", id="2-replicate"),
+             pytest.param(4, "hybrid_shard", id="4-hybrid_shard", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world_size,mode", HOOK_RUNS)
+def test_comm_hooks(world_size, mode):
+    for rank, out in enumerate(run_ranks(hooks_worker, world_size, mode, timeout=300)):
+        assert out["registered"]
+        assert max(out["bf16"]) <= 2e-2, (rank, out["bf16"])
+        assert out["sum"] > 0.5, (rank, out["sum"])  # a hook that does not average is caught
+        assert out["non-root"] == (AssertionError, ROOT_ONLY)
+        assert out["twice"] == (AssertionError, ALREADY)
+        assert out["after forward"][0] is RuntimeError and "before the first forward" in out["after forward"][1]
+        assert out["hook and reduce_dtype"][0] is ValueError and "leave reduce_dtype unset" in out["hook and reduce_dtype"][1]
+        assert out["wrong group"][0] is ValueError and "the state's group has 1 ranks" in out["wrong group"][1]
+
+
+# --- checkpoint and grad scaler ---------------------------------------------------------------
+
+
+def checkpoint_worker(rank, world_size, path):
+    mesh = make_mesh("fully_shard", world_size)
+    g = torch.Generator().manual_seed(1 + rank)
+    batches = [torch.randint(0, VOCAB, (4, 6), generator=g) for _ in range(6)]
+
+    def run(model, opt, tokens):
+        model(tokens).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fresh():
+        model = data_parallel(Net(), mesh, mp_policy=BF16)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = fresh()
+    for tokens in batches[:3]:
+        run(model, opt, tokens)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    for tokens in batches[3:]:
+        run(model, opt, tokens)
+    resumed, ropt = fresh()
+    run(resumed, ropt, batches[0])  # creates the optimizer state that the load overwrites
+    state = {"model": resumed.state_dict(), "optim": ropt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    resumed.load_state_dict(state["model"])
+    ropt.load_state_dict(state["optim"])
+    for tokens in batches[3:]:
+        run(resumed, ropt, tokens)
+    return all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+def test_checkpoint_resume_is_bitwise():
+    with tempfile.TemporaryDirectory() as path:
+        assert run_ranks(checkpoint_worker, 2, os.path.join(path, "ckpt")) == [True, True]
+
+
+def scaler_worker(rank, world_size):
+    mesh = make_mesh("fully_shard", world_size)
+    model = data_parallel(Net(), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = ch.ShardedGradScaler(device="cpu", init_scale=2.0 ** 10)
+    tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(rank))
+    out = []
+    for step in range(2):
+        before = [p.to_local().clone() for p in model.parameters()]
+        scaler.scale(model(tokens).float().square().mean()).backward()
+        if step == 0 and rank == 1:
+            next(model.parameters()).grad.to_local()[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        moved = any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+        out.append((moved, scaler.get_scale()))
+    return out
+
+
+def test_grad_scaler_skips_on_every_rank():
+    for out in run_ranks(scaler_worker, 2):
+        assert out == [(False, 2.0 ** 9), (True, 2.0 ** 9)]
