@@ -15,6 +15,11 @@ The fake group stays the default process group after ``trace`` returns, so passe
 resolve its size and backend; a later ``trace`` with another ``world_size`` replaces it. If
 a real default group exists, ``trace`` uses it (its size must equal ``world_size``, or pass
 ``world_size=None``), which lets a multi-rank test trace, rewrite and run the same graph.
+
+``partitioned_graphs(step)`` compiles a training step and returns the forward and backward
+graphs AOTAutograd's partitioner made (what is saved, what the backward recomputes), and
+``gathered_bytes_alive(graph)`` follows the all-gathered tensors through a graph: how many of
+their bytes are alive after each node.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functionalize
 
-__all__ = ["trace", "graph_str", "fake_process_group"]
+__all__ = ["trace", "graph_str", "fake_process_group", "partitioned_graphs", "gathered_bytes_alive"]
 
 
 def fake_process_group(world_size: int) -> dist.ProcessGroup:
@@ -132,3 +137,64 @@ def graph_str(gm: torch.fx.GraphModule | torch.fx.Graph) -> str:
             args += [f"{k}={_arg_str(v)}" for k, v in n.kwargs.items()]
             lines.append(f"{n.name}: {_type_str(n.meta.get('val'))} = {_target_str(n.target)}({', '.join(args)})")
     return "\n".join(lines)
+
+
+def partitioned_graphs(step: Callable[[Callable[..., Any]], Any]) -> list[tuple[str, torch.fx.GraphModule]]:
+    """``step(compile)`` runs a training step with ``compile`` (``torch.compile`` with a backend
+    that partitions forward and backward like Inductor, with its decompositions, and runs them
+    as traced); every ``("forward" | "backward", graph)`` compiled, in order."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs: list[tuple[str, torch.fx.GraphModule]] = []
+
+    def keep(kind: str) -> Callable[..., Any]:
+        def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            graphs.append((kind, gm))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                     partition_fn=min_cut_rematerialization_partition,
+                                     decompositions=select_decomp_table())
+
+    step(lambda fn, **kw: torch.compile(fn, backend=backend, **kw))
+    return graphs
+
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
+
+
+def _aliases(node: torch.fx.Node) -> bool:
+    """``node``'s output shares memory with its first input (a view, or a collective's wait)."""
+    target = node.target
+    if target is _WAIT:
+        return True
+    schema = getattr(target, "_schema", None)
+    return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write)
+
+
+def gathered_bytes_alive(graph: torch.fx.Graph) -> list[int]:
+    """After each node of ``graph``, the bytes of all-gather outputs still alive: an output lives
+    from its collective to the last use of it or of any view of it; one the graph returns (a
+    forward saving it for backward) lives to the end."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    alive = [0] * len(nodes)
+    for node in nodes:
+        if node.op != "call_function" or node.target not in _GATHERS:
+            continue
+        last, frontier = index[node], [node]
+        while frontier:
+            n = frontier.pop()
+            for user in n.users:
+                last = max(last, index[user] if user.op != "output" else len(nodes) - 1)
+                if user.op == "call_function" and _aliases(user):
+                    frontier.append(user)
+        v = node.meta["val"]
+        for i in range(index[node], last + 1):
+            alive[i] += v.numel() * v.element_size()
+    return alive

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import compiled_hooks as ch
 from compiled_hooks.fsdp import ALREADY, ROOT_ONLY, data_parallel, get_comm_hook, register_comm_hook
+from passes.testing import fake_process_group, gathered_bytes_alive, partitioned_graphs
 from tests.ranks import run_ranks
 
 VOCAB, DIM, HIDDEN = 10, 8, 13  # rows 10 and 13: shards of uneven size on 2 and 4 ranks
@@ -264,3 +265,38 @@ def scaler_worker(rank, world_size):
 def test_grad_scaler_skips_on_every_rank():
     for out in run_ranks(scaler_worker, 2):
         assert out == [(False, 2.0 ** 9), (True, 2.0 ** 9)]
+
+
+# --- the compiled graphs (fake process group of 4 ranks, one process) -------------------------
+
+GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+def _ops(gm, op):
+    return [n for n in gm.graph.nodes if n.target is op]
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_one_graph_and_what_the_backward_keeps(reshard):
+    fake_process_group(4)
+    model = data_parallel(Net(), init_device_mesh("cpu", (4,)), reshard_after_forward=reshard, mp_policy=BF16)
+    tokens = torch.randint(0, VOCAB, (4, 6))
+    graphs = partitioned_graphs(lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward())
+    assert [kind for kind, _ in graphs] == ["forward", "backward"]  # no graph break
+    (_, fw), (_, bw) = graphs
+    params = 9  # the tied embedding / output weight is one parameter: gathered once, reduced once
+    assert len(_ops(fw, GATHER)) == params and len(_ops(bw, REDUCE_SCATTER)) == params
+    assert all(n.args[0].meta["val"].dtype == torch.bfloat16 for n in _ops(fw, GATHER))  # cast, then gather
+    fw_alive, bw_alive = gathered_bytes_alive(fw.graph), gathered_bytes_alive(bw.graph)
+    padded = {name: -(-rows // 4) * 4 * cols * 2 for name, rows, cols in
+              [("emb", VOCAB, DIM), ("up.weight", HIDDEN, DIM), ("up.bias", HIDDEN, 1),
+               ("down.weight", DIM, HIDDEN), ("down.bias", DIM, 1)]}
+    root, block = padded["emb"], sum(v for k, v in padded.items() if k != "emb")
+    if reshard:
+        assert fw_alive[-1] == 0  # no gathered parameter is saved for backward ...
+        assert len(_ops(bw, GATHER)) > 0  # ... the backward gathers again
+        assert max(fw_alive) <= root + 2 * block and max(bw_alive) <= root + 2 * block
+    else:
+        assert len(_ops(bw, GATHER)) == 0
+        assert fw_alive[-1] >= root + 2 * (padded["up.weight"] + padded["down.weight"])  # the matmuls' weights

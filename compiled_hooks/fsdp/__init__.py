@@ -1,6 +1,6 @@
 """FSDP and this package's communication hooks.
 
-- :func:`data_parallel` (:mod:`.data_parallel`): compile-native FSDP, the whole sharded step in
+- :func:`data_parallel` (:mod:`.native`): compile-native FSDP, the whole sharded step in
   one ``torch.compile`` graph, its gradient reduction a comm hook.
 - FSDP2 (``fully_shard``, ``replicate``) modules run the hooks through FSDP2's hook points
   (:mod:`.fsdp2`).
@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import data_parallel as _native
+from . import native as _native
 from . import fsdp2 as _fsdp2
-from .data_parallel import MODES, DataParallelState, data_parallel, is_data_parallel
+from .native import MODES, DataParallelState, data_parallel, is_data_parallel
 from .fsdp2 import ALREADY, ROOT_ONLY, HookAllReduce, HookReduceScatter
 
 __all__ = ["data_parallel", "register_comm_hook", "get_comm_hook", "is_data_parallel", "DataParallelState",

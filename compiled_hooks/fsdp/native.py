@@ -39,7 +39,7 @@ from .gather import Layout, Reduction, gather
 __all__ = ["data_parallel", "DataParallelState", "MODES"]
 
 MODES = {"fully_shard": 1, "replicate": 1, "hybrid_shard": 2}  # mode -> mesh dimensions
-_CLASSES: dict[tuple[type, frozenset], type] = {}
+_CLASSES: dict[tuple[type, frozenset, bool], type] = {}
 
 
 class DataParallelState:
@@ -60,8 +60,10 @@ class DataParallelState:
         self.comm_hook: Optional[Callable[..., Any]] = None
         self.comm_hook_state: Any = None
         self.active = False  # inside the root's forward: parameter reads gather
-        self.gathered: dict[str, torch.Tensor] = {}  # shared parameters, gathered once per forward
-        self.forwards = 0
+        # Per running forward, the shared parameters gathered so far (gathered once per forward):
+        # a dict made and dropped inside the root's forward, so Dynamo keeps no tensor of it.
+        self.gathered: list[dict[str, torch.Tensor]] = []
+        self.started = False  # a forward ran: the (compiled) reduction is fixed
 
 
 def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
@@ -72,18 +74,38 @@ def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
     layout = module._data_parallel_layouts[name]
     if layout.name not in module._data_parallel_shared:
         return gather(param.to_local(), layout, dp.reduction, dp.reshard)
-    if layout.name not in dp.gathered:  # one gather, so one reduction of the summed gradient
-        dp.gathered[layout.name] = gather(param.to_local(), layout, dp.reduction, dp.reshard)
-    return dp.gathered[layout.name]
+    gathered = dp.gathered[-1]
+    if layout.name not in gathered:  # one gather, so one reduction of the summed gradient
+        gathered[layout.name] = gather(param.to_local(), layout, dp.reduction, dp.reshard)
+    return gathered[layout.name]
 
 
-def _swap_class(module: nn.Module, names: Iterable[str]) -> None:
+def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The root's forward: parameter reads gather while it runs (see :func:`_read_parameter`)."""
+    dp = self._data_parallel
+    dp.active = dp.started = True
+    dp.gathered.append({})
+    try:
+        output = super(type(self), self).forward(*args, **kwargs)
+    finally:
+        dp.gathered.pop()
+        dp.active = False
+    dtype = dp.mp_policy.output_dtype
+    if dtype is None:
+        return output
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+
+
+def _swap_class(module: nn.Module, names: Iterable[str], root: bool) -> None:
     """Give ``module`` a subclass whose parameter attributes read through
-    :func:`_read_parameter` (one subclass per original class and parameter names)."""
-    key = (type(module), frozenset(names))
+    :func:`_read_parameter` and, for the root, whose forward is :func:`_root_forward` (one
+    subclass per original class, parameter names and role)."""
+    key = (type(module), frozenset(names), root)
     if key not in _CLASSES:
-        props = {n: property(lambda self, n=n: _read_parameter(self, n)) for n in key[1]}
-        _CLASSES[key] = type(f"DataParallel{type(module).__name__}", (type(module),), props)
+        attrs: dict[str, Any] = {n: property(lambda self, n=n: _read_parameter(self, n)) for n in key[1]}
+        if root:
+            attrs["forward"] = _root_forward
+        _CLASSES[key] = type(f"DataParallel{type(module).__name__}", (type(module),), attrs)
     module.__class__ = _CLASSES[key]
 
 
@@ -203,32 +225,17 @@ def data_parallel(module: nn.Module, mesh: DeviceMesh, *, mode: str = "fully_sha
             if uses[id(p)] > 1:
                 shared.add(layout.name)
         m._data_parallel_layouts, m._data_parallel_shared, m._data_parallel_root = layouts, shared, dp
-        _swap_class(m, names)
+        _swap_class(m, names, root=m is module)
     for m in module.modules():
         m._data_parallel_root = dp
     module._data_parallel = dp
+    if not hasattr(module, "_data_parallel_layouts"):  # a root without parameters of its own
+        module._data_parallel_layouts, module._data_parallel_shared = {}, set()
+        _swap_class(module, [], root=True)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         for m in [module, *block_map.values()]:
             m.register_forward_pre_hook(_cast_inputs(mp_policy.param_dtype), with_kwargs=True)
-    module.register_forward_pre_hook(_begin_forward)
-    module.register_forward_hook(_end_forward, always_call=True)
     return module
-
-
-def _begin_forward(module: nn.Module, args: Any) -> None:
-    dp = module._data_parallel
-    dp.active, dp.gathered = True, {}
-    dp.forwards += 1
-
-
-def _end_forward(module: nn.Module, args: Any, output: Any) -> Any:
-    dp = module._data_parallel
-    dp.active, dp.gathered = False, {}
-    dtype = dp.mp_policy.output_dtype
-    if dtype is not None:
-        output = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                          output)
-    return output
 
 
 def is_data_parallel(module: nn.Module) -> bool:
@@ -254,7 +261,7 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
         raise TypeError(f"{name}: state must be a DefaultState or LowPrecisionState, got {type(state).__name__}")
     if dp.comm_hook is not None:
         raise AssertionError(ALREADY)
-    if dp.forwards:
+    if dp.started:
         raise RuntimeError(f"{name}: register the hook before the first forward; compiled graphs already "
                            "hold the default reduction")
     kind = hook_kind(hook, name)
