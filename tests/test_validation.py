@@ -3,7 +3,7 @@
 Each case runs on 2 gloo ranks under a dispatch mode that counts c10d ops, with its own
 timeout; a case passes when every rank raised the expected type and message and issued no
 collective. The group stays usable afterwards (a final all_reduce agrees), so no rank is left
-diverged. Covers the hooks, their states, the DDP adapter, FSDP2 registration, the scaler, ZeRO, the
+diverged. Covers the hooks, their states, the DDP adapter, FSDP2 registration, data_parallel, the scaler, ZeRO, the
 passes, Pipeline, install and the tracing helper.
 """
 
@@ -136,6 +136,25 @@ CASES = {
     "fsdp_hook_on_hsdp": (
         lambda g: ch.fsdp.register_comm_hook(_hsdp(), _state(g), ch.reduce_scatter_hook), NotImplementedError,
         "HSDP"),
+    "data_parallel_hybrid_on_1d_mesh": (
+        lambda g: ch.fsdp.data_parallel(torch.nn.Linear(2, 2), _mesh(), mode="hybrid_shard"), ValueError,
+        "mode 'hybrid_shard' needs a 2-D"),
+    "data_parallel_on_fsdp2_module": (
+        lambda g: ch.fsdp.data_parallel(torch.nn.Sequential(_sharded()), _mesh()), ValueError,
+        "already wrapped by FSDP2"),
+    "data_parallel_twice": (
+        lambda g: ch.fsdp.data_parallel(_native(), _mesh()), ValueError, "already wrapped by data_parallel"),
+    "data_parallel_params_on_two_devices": (
+        lambda g: ch.fsdp.data_parallel(_two_devices(), _mesh()), ValueError, "on several devices"),
+    "data_parallel_all_reduce_hook_on_shards": (
+        lambda g: ch.fsdp.register_comm_hook(_native(), _state(g), ch.allreduce_hook), TypeError,
+        "cannot reduce a 'fully_shard' module"),
+    "data_parallel_reduce_scatter_hook_on_replicas": (
+        lambda g: ch.fsdp.register_comm_hook(_native("replicate"), _state(g), ch.reduce_scatter_hook), TypeError,
+        "cannot reduce a 'replicate' module"),
+    "data_parallel_hook_on_non_root": (
+        lambda g: ch.fsdp.register_comm_hook(_native()[0], _state(g), ch.reduce_scatter_hook), AssertionError,
+        "can only be called on a root instance"),
     "zero_group_bad_hyperparameter": (
         lambda g: ZeroOptimizer([{"params": [_param()]}, {"params": [_param()], "eps": -1.0}], torch.optim.AdamW,
                                 lr=0.1), ValueError, "Invalid epsilon value"),
@@ -242,6 +261,23 @@ def _sharded():
     return fully_shard(torch.nn.Linear(2, 2), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
 
 
+@functools.lru_cache(maxsize=None)
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _native(mode="fully_shard"):
+    return ch.fsdp.data_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), _mesh(), mode=mode)
+
+
+def _two_devices():
+    net = torch.nn.Linear(2, 2)
+    net.bias = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    return net
+
+
 def _hsdp():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -340,7 +376,7 @@ def _case_timeout(signum, frame):
 def misuse_worker(rank, world_size):
     group = dist.group.WORLD
     results = {}
-    _traced(), _sharded(), _unscaled_once(), _ddp_zero(), _psgd_served()
+    _traced(), _sharded(), _mesh(), _unscaled_once(), _ddp_zero(), _psgd_served()
     _ddp_zero_python_reducer(), _ddp_zero_sharded()
     signal.signal(signal.SIGALRM, _case_timeout)
     for name, (call, _, _) in CASES.items():
