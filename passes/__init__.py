@@ -18,6 +18,8 @@ from compiled_hooks import __version__
 from . import testing
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
+from .bucket_block_all_gathers import bucket_block_all_gathers
+from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
@@ -25,6 +27,7 @@ from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .pipeline import Pipeline, default_pipeline, install
+from .prefetch_block_all_gathers import prefetch_block_all_gathers
 from .rank_guard import RankDivergenceError
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
@@ -39,6 +42,9 @@ __all__ = [
     "bucket_low_rank_factors",
     "interleave_zero_broadcasts",
     "schedule_collectives",
+    "bucket_block_all_gathers",
+    "bucket_block_reduce_scatters",
+    "prefetch_block_all_gathers",
     "reinplace_broadcasts",
     "shard_weight_update",
     "all_to_all_weight_update",

@@ -49,13 +49,12 @@ is used before the bucket's last input is ready; both are counted in ``counters[
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional
 
 from torch.fx import Graph, Node
 
-from ._graph import (ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, cast_dtype, chains, check_graph, flat_value,
-                     is_collective, new_node, record, split_values, val)
+from ._bucket import merge_chains
+from ._graph import Chain, cast_dtype, chains, check_graph, is_collective, record, val
 
 PASS = "fuse_collective_casts"
 
@@ -152,69 +151,6 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple
     return buckets
 
 
-def _merge(graph: Graph, bucket: list[Chain], order: dict[Node, int], moved: set[Node]) -> bool:
-    """Merge one bucket. ``order`` numbers the graph's nodes as it was before any merge; nodes
-    an earlier merge moved are in ``moved``, and only if this bucket's anchors or uses are among
-    them is the graph numbered again."""
-    users = [u for c in bucket for u in c.end.users]
-    if moved.intersection(users) or moved.intersection(c.start for c in bucket):
-        order.clear()
-        order.update((n, i) for i, n in enumerate(graph.nodes))
-        moved.clear()
-    moving = {n for c in bucket for n in c.pre + [c.collective, c.wait]}
-    anchor = max((c.start for c in bucket), key=order.__getitem__)
-    first_use = min(users, key=order.__getitem__)
-    if order[first_use] <= order[anchor]:
-        record(PASS, "skipped bucket: a member's result is used before its last input is ready", first_use)
-        return False
-
-    insert_before = anchor.next
-    while insert_before in moving or insert_before.op == "placeholder":
-        insert_before = insert_before.next
-    rs = bucket[0].collective.target is REDUCE_SCATTER
-    group_size = bucket[0].collective.args[2] if rs else None
-
-    flats = []
-    for c in bucket:
-        for n in c.pre:
-            insert_before.prepend(n)
-            moved.add(n)
-        inp = c.collective.args[0]
-        if rs or val(inp).dim() != 1:  # a 1-D all_reduce input is already flat
-            with graph.inserting_before(insert_before):
-                inp = new_node(graph, aten.reshape.default, (inp, [group_size, -1] if rs else [-1]))
-        flats.append(inp)
-    with graph.inserting_before(insert_before):
-        flat_val = None if rs else flat_value(val(flats[0]), sum(val(f).numel() for f in flats))
-        flat = new_node(graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat", value=flat_val)
-        if rs:
-            flat = new_node(graph, aten.reshape.default, (flat, [-1]))
-        rest = bucket[0].collective.args[1:]
-        target = REDUCE_SCATTER if rs else ALL_REDUCE
-        coll = new_node(graph, target, (flat, *rest), name="bucket_" + target._schema.name.split("::")[-1])
-
-    with graph.inserting_before(first_use):
-        wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
-        sizes = [val(c.collective).numel() for c in bucket]
-        pieces = new_node(graph, aten.split_with_sizes.default, (wait, sizes), name="bucket_pieces",
-                          value=split_values(val(wait), sizes))
-    for i, c in enumerate(bucket):
-        out = val(c.collective)
-        with graph.inserting_before(first_use):
-            piece = graph.call_function(operator.getitem, (pieces, i))
-            piece.meta["val"] = val(pieces)[i]
-            if out.dim() != 1:
-                piece = new_node(graph, aten.view.default, (piece, list(out.shape)))
-        c.wait.replace_all_uses_with(piece)
-        for n in c.post:
-            first_use.prepend(n)
-            moved.add(n)
-        graph.erase_node(c.wait)
-        graph.erase_node(c.collective)
-    record(PASS, f"bucketed {len(bucket)} collectives into one", coll)
-    return True
-
-
 def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, first_bucket_cap_mb: float = 1.0) -> bool:
     """Bucket compressed all_reduce / reduce_scatter chains (see the module docstring).
     Returns True when the graph changed."""
@@ -241,5 +177,5 @@ def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, f
     moved: set[Node] = set()
     changed = False
     for bucket in buckets:
-        changed |= _merge(graph, bucket, order, moved)
+        changed |= merge_chains(PASS, graph, bucket, order, moved) is not None
     return changed

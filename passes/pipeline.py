@@ -32,12 +32,15 @@ from compiled_hooks._env import env_flag
 
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
+from .bucket_block_all_gathers import bucket_block_all_gathers
+from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
 from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
+from .prefetch_block_all_gathers import prefetch_block_all_gathers
 from .rank_guard import RankDivergenceError, unraised_verdict
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
@@ -210,17 +213,19 @@ class Pipeline(CustomGraphPass):
 
 def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False,
                      check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
-    """``all_to_all_weight_update``, ``fold_collective_scaling``, ``fuse_collective_casts``,
-    ``bucket_low_rank_factors``, ``fuse_cat_prologue``, ``interleave_zero_broadcasts``,
-    ``schedule_collectives``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all`` (options:
-    ``all_to_all_backends``, ``all_to_all_chunk_bytes``, ``all_gather_backends``,
-    ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``;
+    """``all_to_all_weight_update``, ``fold_collective_scaling``, ``bucket_block_all_gathers``,
+    ``bucket_block_reduce_scatters``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
+    ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
+    ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``
+    (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``, ``all_gather_backends``,
+    ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``,
+    ``prefetch_depth``;
     ``shard_backends`` with ``shard_weight_update``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces
     it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
-    passes = [all_to_all_weight_update, fold_collective_scaling, fuse_collective_casts, bucket_low_rank_factors,
-              fuse_cat_prologue, interleave_zero_broadcasts, schedule_collectives, reinplace_broadcasts,
-              all_gather_as_all_to_all]
+    passes = [all_to_all_weight_update, fold_collective_scaling, bucket_block_all_gathers, bucket_block_reduce_scatters,
+              fuse_collective_casts, bucket_low_rank_factors, fuse_cat_prologue, interleave_zero_broadcasts,
+              schedule_collectives, prefetch_block_all_gathers, reinplace_broadcasts, all_gather_as_all_to_all]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import WAIT, check_graph, is_chain_op, is_collective, is_op, record
+from ._graph import ALL_GATHER, WAIT, check_graph, is_chain_op, is_collective, is_op, record
+from .bucket_block_all_gathers import block_of
 
 PASS = "schedule_collectives"
 
@@ -140,7 +141,9 @@ def schedule_problems(graph: Graph) -> list[str]:
             node = node.next
     barrier, known = None, {}
     for node in graph.nodes:
-        if is_collective(node):
+        if is_collective(node) and block_of(node) is not None and is_op(node, (ALL_GATHER,)):
+            barrier = node  # placed by prefetch_block_all_gathers, which bounds the gathered memory
+        elif is_collective(node):
             if node.prev not in node.all_input_nodes and node.prev is not barrier:
                 problems.append(f"{node.name} could be issued before {node.prev.name}")
             barrier = node

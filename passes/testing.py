@@ -24,6 +24,7 @@ their bytes are alive after each node.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Optional
 
 import torch
@@ -170,7 +171,7 @@ _GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
 def _aliases(node: torch.fx.Node) -> bool:
     """``node``'s output shares memory with its first input (a view, or a collective's wait)."""
     target = node.target
-    if target is _WAIT:
+    if target is _WAIT or target is operator.getitem:  # a piece of a split is a view
         return True
     schema = getattr(target, "_schema", None)
     return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None

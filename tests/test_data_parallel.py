@@ -300,3 +300,39 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
     else:
         assert len(_ops(bw, GATHER)) == 0
         assert fw_alive[-1] >= root + 2 * (padded["up.weight"] + padded["down.weight"])  # the matmuls' weights
+
+
+# --- Inductor with the passes: one collective per block, in the generated code ---------------
+
+
+def inductor_worker(rank, world_size, reshard):
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    import passes
+
+    torch._inductor.config.fx_graph_cache = False
+    mesh = make_mesh("fully_shard", world_size)
+    ref = fsdp2(mesh, "fully_shard", reshard, None)
+    model = data_parallel(Net(), mesh, reshard_after_forward=reshard)
+    run = torch.compile(model, fullgraph=True)
+    tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(rank))
+    with passes.install():
+        _, codes = run_and_get_code(lambda: run(tokens).float().square().mean().backward())
+        model.zero_grad()
+        diffs = train_both(rank, ref, model, run)
+    forward, backward = codes
+    count = lambda op, code: len(re.findall(rf"_c10d_functional\.{op}\.default\(", code))  # noqa: E731
+    # gloo: the all-gathers go out as all_to_all_single (passes.all_gather_as_all_to_all)
+    return diffs, [count("all_to_all_single", forward), count("all_to_all_single", backward),
+                   count("reduce_scatter_tensor", backward), count("all_gather_into_tensor", forward + backward)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_inductor_with_passes_one_collective_per_block(reshard):
+    blocks = 3  # the root (embedding / tied output layer), blocks.0, blocks.1
+    for diffs, counts in run_ranks(inductor_worker, 2, reshard, timeout=600):
+        assert max(diffs) <= 1e-6, diffs
+        assert counts == [blocks, blocks if reshard else 0, blocks, 0], counts

@@ -47,6 +47,18 @@ def test_train_fsdp2_example():
     assert_guard_checked(proc.stdout)
 
 
+def test_train_fsdp_example():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_fsdp.py"), "--steps", "4"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **GUARD},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("data_parallel + bf16_compress_hook: loss") == 4
+    final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
+    assert len(final) == 1 and "(OK" in final[0], proc.stdout
+    assert_guard_checked(proc.stdout)
+
+
 def test_train_zero_example_sharded_with_verified_passes():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1", **GUARD}
     proc = subprocess.run(

@@ -26,12 +26,17 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
+import torch.fx.traceback
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..state import LowPrecisionState
 
-__all__ = ["Layout", "Reduction", "gather"]
+__all__ = ["Layout", "Reduction", "gather", "BLOCK"]
+
+# The key under which every node of a gather and of its reduction carries its block's name
+# (``node.meta["custom"]``), for the passes that bucket and schedule per block.
+BLOCK = "data_parallel_block"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +92,7 @@ class _GatherReduce(torch.autograd.Function):
         if reduction.shard_group is None:
             return x.view_as(x) if x is shard else x
         full = fcol.all_gather_single(_pad_rows(x, layout.rows), 0, reduction.shard_group)
-        return fcol.wait_tensor(full)[: layout.shape[0]]
+        return full[: layout.shape[0]]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
@@ -125,8 +130,10 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropCheckpointNotic
 
 def gather(shard: torch.Tensor, layout: Layout, reduction: Reduction, reshard: bool) -> torch.Tensor:
     """The full parameter from this rank's ``shard`` (see the module docstring). ``reshard``
-    applies under ``torch.compile`` only: eager autograd keeps what the consumers save."""
-    if reshard and reduction.shard_group is not None and torch.compiler.is_compiling():
-        return checkpoint(_GatherReduce.apply, shard, layout, reduction,
-                          use_reentrant=False, context_fn=_RESHARD)
-    return _GatherReduce.apply(shard, layout, reduction)
+    applies under ``torch.compile`` only: eager autograd keeps what the consumers save. The traced
+    nodes, forward and backward, carry the block's name under :data:`BLOCK`."""
+    with torch.fx.traceback.annotate({BLOCK: layout.block}):
+        if reshard and reduction.shard_group is not None and torch.compiler.is_compiling():
+            return checkpoint(_GatherReduce.apply, shard, layout, reduction,
+                              use_reentrant=False, context_fn=_RESHARD)
+        return _GatherReduce.apply(shard, layout, reduction)

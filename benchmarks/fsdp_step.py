@@ -1,0 +1,279 @@
+"""FSDP training steps: compile-native ``data_parallel`` against FSDP2 and a SimpleFSDP-style compile.
+
+    python benchmarks/fsdp_step.py                 # 2 CPU ranks over loopback
+    python benchmarks/fsdp_step.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+
+Models: ``mlp-8x1024`` (8 Linear(1024, 1024) + ReLU, batch 32, every Linear a block) and
+``transformer`` (the main example's transformer at width 256, 4 blocks, batch 8). Every
+configuration reduces gradients in bf16, with fp32 parameters or ``param_dtype`` bf16:
+
+- peers: FSDP2 eager (``fully_shard`` per block and the root, resharding after forward); FSDP2
+  with every block compiled; SimpleFSDP-style (parameters as ``Shard(0)`` DTensors
+  redistributed to ``Replicate`` on use, keeping the gathered parameters for backward, written
+  here) compiled whole with Inductor's FSDP bucketing (``bucket_all_gathers_fx="only_fsdp"``,
+  ``bucket_reduce_scatters_fx="all"``);
+- ours: ``data_parallel`` with ``reduce_dtype`` bf16, compiled whole, with and without
+  ``passes.install()``, for ``reshard_after_forward`` True and False;
+- compute alone: the unsharded model compiled, no communication.
+
+Steps (forward + backward) are interleaved, one of each configuration in turn, the order rotated
+every step; medians on rank 0. Per configuration: median step, its ratio to the best compiled
+peer (``keep`` rows) or to FSDP2 eager (``reshard`` rows), collectives and MB they move per step
+(counted by the profiler over one step: the full size of each all-gather's output and
+reduce-scatter's input), and the peak bytes of gathered parameters alive at once, from the
+partitioned forward and backward graphs of our configurations. The bound under each table: each
+rank sends ``(N - 1) / N`` of every collective's full size at the link's rate, or the compute alone
+if longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train_ddp import TinyTransformer, synchronize  # noqa: E402
+
+import passes  # noqa: E402
+from compiled_hooks.fsdp import data_parallel  # noqa: E402
+from launch import add_link_argument, describe_link, launch  # noqa: E402
+from passes.testing import gathered_bytes_alive, partitioned_graphs  # noqa: E402
+import results  # noqa: E402
+
+INDUCTOR_FSDP_BUCKETING = {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all"}
+
+
+def make_model(name: str, tag: int) -> tuple[nn.Module, list[nn.Module], torch.Tensor]:
+    """(model, blocks, input). ``tag`` sizes a parameter that makes each configuration's graph
+    its own (Dynamo would otherwise serve one configuration's graph to another)."""
+    torch.manual_seed(0)
+    if name == "mlp-8x1024":
+        model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())])
+        blocks, x = [m for m in model if isinstance(m, nn.Linear)], torch.randn(32, 1024)
+    else:
+        model = TinyTransformer(dim=256, layers=4)
+        blocks, x = list(model.blocks), torch.randint(0, model.vocab, (8, 32))
+    return Tagged(model, tag), blocks, x
+
+
+class Tagged(nn.Module):
+    def __init__(self, model: nn.Module, tag: int):
+        super().__init__()
+        self.model, self.tag = model, nn.Parameter(torch.zeros(2 * (tag + 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) + self.tag.sum()
+
+
+def simple_fsdp(model: nn.Module, mesh, mp: MixedPrecisionPolicy) -> nn.Module:
+    """SimpleFSDP's design in a few lines: ``Shard(0)`` DTensor parameters, redistributed to
+    ``Replicate`` (an all-gather in ``param_dtype``) on every read; the gradient comes back as a
+    ``Partial`` sum, reduce-scattered in ``reduce_dtype`` by DTensor and averaged here."""
+    world = mesh.size()
+
+    def read(self, name):
+        full = self._parameters[name].redistribute(placements=[Replicate()], forward_dtype=mp.param_dtype,
+                                                   backward_dtype=mp.reduce_dtype)
+        return _Average.apply(full.to_local(grad_placements=[Partial()]), world)
+
+    for m in list(model.modules()):
+        names = [n for n, p in m._parameters.items() if p is not None]
+        for n in names:
+            m._parameters[n] = nn.Parameter(distribute_tensor(m._parameters[n].detach(), mesh, [Shard(0)],
+                                                              src_data_rank=None))
+        if names:
+            m.__class__ = type(f"Simple{type(m).__name__}", (type(m),),
+                               {n: property(lambda self, n=n: read(self, n)) for n in names})
+    return model
+
+
+class _Average(torch.autograd.Function):
+    """Identity forward; divides the gradient by the world size (SimpleFSDP sums)."""
+
+    @staticmethod
+    def forward(ctx, x, world):
+        ctx.world = world
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.world, None
+
+
+class Config:
+    def __init__(self, name: str, model: str, index: int, mesh, param_dtype):
+        self.name, self.times = name, []
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.bfloat16)
+        net, blocks, self.x = make_model(model, index)
+        self.options: dict[str, Any] = {}
+        self.installed = False
+        self.peak_mb: float | None = None
+        if name.startswith("FSDP2"):
+            for b in blocks:
+                fully_shard(b, mesh=mesh, mp_policy=mp)
+                if "compiled" in name:
+                    b.compile()
+            self.run = fully_shard(net, mesh=mesh, mp_policy=mp)
+        elif name.startswith("SimpleFSDP"):
+            self.run = torch.compile(simple_fsdp(net, mesh, mp), fullgraph=True)
+            self.options = INDUCTOR_FSDP_BUCKETING
+            self.x = self._cast(param_dtype)
+        elif name.startswith("compute"):
+            self.run = torch.compile(net.to(param_dtype or torch.float32), fullgraph=True)
+            self.x = self._cast(param_dtype)
+        else:
+            reshard = "reshard" in name
+            self.installed = "passes" in name
+            self.net = data_parallel(net, mesh, mp_policy=mp, reshard_after_forward=reshard, blocks=blocks)
+            self.run = torch.compile(self.net, fullgraph=True)
+
+    def _cast(self, dtype) -> torch.Tensor:
+        return self.x.to(dtype) if dtype is not None and self.x.is_floating_point() else self.x
+
+    def context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._inductor.config.patch(self.options))
+        if self.installed:
+            stack.enter_context(passes.install())
+        return stack
+
+    def step(self) -> None:
+        with self.context():
+            out = self.run(self.x)
+            out.float().square().mean().backward()
+        synchronize(self.x.device)
+
+    def measure_peak(self) -> None:
+        """Peak gathered-parameter bytes alive in the partitioned forward and backward graphs."""
+        if not hasattr(self, "net"):
+            return
+        graphs = partitioned_graphs(
+            lambda compile: compile(self.net, fullgraph=True)(self.x).float().square().mean().backward())
+        self.peak_mb = max(max(gathered_bytes_alive(gm.graph), default=0) for _, gm in graphs) / 2**20
+
+
+_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
+# collective -> which input holds its full size, and whether that input is one rank's part of it
+_FULL_SIZE = {"_c10d_functional::all_gather_into_tensor": (0, True), "_c10d_functional::reduce_scatter_tensor": (0, False),
+              "_c10d_functional::all_to_all_single": (0, False), "_c10d_functional::all_reduce": (0, False),
+              "c10d::_allgather_base_": (0, False), "c10d::_reduce_scatter_base_": (1, False),
+              "c10d::allreduce_": (0, False)}
+
+
+def count_collectives(step, world: int) -> tuple[int, float]:
+    """Collectives in one ``step()`` and the MB they move at full size (an all-gather's output, a
+    reduce-scatter's or all-reduce's input), from the profiler's recorded shapes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    count, size = 0, 0
+    for e in prof.events():
+        if e.name not in _FULL_SIZE:
+            continue
+        arg, part = _FULL_SIZE[e.name]
+        shape = e.input_shapes[arg]
+        shape = shape[0] if shape and isinstance(shape[0], list) else shape  # a list of tensors
+        numel = 1
+        for d in shape:
+            numel *= d
+        dtype = e.input_dtypes[arg] if e.input_dtypes else "float"
+        count += 1
+        size += numel * _ITEMSIZE.get(dtype, 4) * (world if part else 1)
+    return count, size / 2**20
+
+
+def link_bytes_per_s(link: str | None) -> float | None:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", (link or "").lower())
+    if not match:
+        return None
+    return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)] / 8
+
+
+PEERS_KEEP = ["SimpleFSDP-style + Inductor bucketing"]
+PEERS_RESHARD = ["FSDP2 eager", "FSDP2 compiled per block"]
+OURS = ["data_parallel keep", "data_parallel keep + passes", "data_parallel reshard",
+        "data_parallel reshard + passes"]
+CONFIGS = PEERS_RESHARD + PEERS_KEEP + OURS + ["compute alone (compiled, unsharded)"]
+
+
+def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: str | None) -> dict | None:
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world,))
+    configs = [Config(n, model, i, mesh, param_dtype) for i, n in enumerate(CONFIGS)]
+    for c in configs:
+        c.step()  # compile
+        c.step()
+        c.collectives, c.mb = count_collectives(c.step, world)
+        c.measure_peak()
+    for i in range(steps):
+        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            c.step()
+            c.times.append(time.perf_counter() - t0)
+    if rank != 0:
+        return None
+    median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
+    compute = median[CONFIGS[-1]]
+    rate = link_bytes_per_s(link)
+    dtype = "fp32" if param_dtype is None else "bf16"
+    title = f"{model}, param_dtype {dtype}, reduce bf16"
+    print(f"\n### {title}\n")
+    print("| configuration | median step (ms) | vs peer | vs bound | collectives/step | MB/step | peak gathered MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    best_keep = min(PEERS_KEEP, key=median.__getitem__)
+    rows = []
+    for c in configs:
+        peer = best_keep if "keep" in c.name or c.name.startswith("SimpleFSDP") else "FSDP2 eager"
+        wire = c.mb * 2**20 * (world - 1) / world / rate * 1e3 if rate else 0.0
+        bound = max(wire, compute)
+        rows.append(dict(config=c.name, median_ms=median[c.name], vs_peer=median[c.name] / median[peer],
+                         vs_bound=median[c.name] / bound, collectives=c.collectives, mb=c.mb,
+                         peak_gathered_mb=c.peak_mb, bound_ms=bound, peer=peer))
+    for r in rows:
+        peak = "-" if r["peak_gathered_mb"] is None else f"{r['peak_gathered_mb']:.1f}"
+        print(f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_peer']:.2f}x ({r['peer']}) | "
+              f"{r['vs_bound']:.2f}x ({r['bound_ms']:.0f} ms) | {r['collectives']} | {r['mb']:.1f} | {peak} |")
+    print(f"\nbound per row: max(its collectives' bytes sent per rank at "
+          f"{'the link rate' if rate else 'an unknown rate (loopback: not counted)'}, compute alone {compute:.1f} ms)")
+    return results.table(title, rows, ratio="vs_peer", note=f"compute alone {compute:.1f} ms")
+
+
+def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
+    if rank == 0:
+        print(f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per configuration, medians "
+              f"on rank 0; torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    dtypes = {"fp32": None, "bf16": torch.bfloat16}
+    tables = [run_model(rank, world_size, model, dtypes[d], args.steps, args.link)
+              for model in args.models for d in args.param_dtypes]
+    if rank == 0:
+        results.write(args, "fsdp_step", describe_link(), tables)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--models", nargs="+", default=["mlp-8x1024", "transformer"],
+                        choices=["mlp-8x1024", "transformer"])
+    parser.add_argument("--param-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    add_link_argument(parser)
+    results.add_output_arguments(parser)
+    parser.set_defaults(world_size=2)
+    launch(_worker, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

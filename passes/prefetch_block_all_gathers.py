@@ -1,0 +1,73 @@
+"""prefetch_block_all_gathers: each ``data_parallel`` block's all-gather goes out while the
+block ``prefetch_depth`` before it computes, and no earlier.
+
+After ``schedule_collectives`` every all-gather stands right after its inputs (the parameters:
+the top of the graph) and its wait right before its block's first use. Issued all at once, the
+gathered parameters of every block would be alive together. This pass orders the marked
+all-gathers (``node.meta["custom"]["data_parallel_block"]``) by the first use of their result,
+and moves the ``j``-th, with the nodes that feed only it (the bucket's ``cat`` and casts), to
+just after the wait of the ``(j - prefetch_depth)``-th; the first ``prefetch_depth`` stay where
+they are. In forward that is the next block's gather going out before the current block's
+compute; in a backward that gathers again it is the same in reverse block order. With depth 1::
+
+    before                                   after
+    a1 = all_gather(f1); a2 = all_gather(f2) a1 = all_gather(f1)
+    a3 = all_gather(f3)                      w1 = wait_tensor(a1)
+    w1 = wait_tensor(a1)                     a2 = all_gather(f2)        # overlaps block 1
+    ... block 1 ...                          ... block 1 ...
+    w2 = wait_tensor(a2)                     w2 = wait_tensor(a2)
+    ... block 2 ...                          a3 = all_gather(f3)        # overlaps block 2
+    w3 = wait_tensor(a3)                     ... block 2 ...
+    ... block 3 ...                          w3 = wait_tensor(a3)
+                                             ... block 3 ...
+
+So at most ``prefetch_depth + 1`` blocks' gathered parameters are alive at once, counting those
+in flight, besides what the graph itself keeps. An all-gather whose inputs are not ready at its
+slot stays where it is (counted). The order of collectives follows from the graph alone, the
+same on every rank; a second run finds every all-gather in its slot.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Graph, Node
+
+from ._graph import ALL_GATHER, WAIT, check_graph, is_op, record
+from .bucket_block_all_gathers import block_of, input_cone
+
+PASS = "prefetch_block_all_gathers"
+
+
+def _wait(ag: Node) -> Node:
+    return next(iter(ag.users))
+
+
+def prefetch_block_all_gathers(graph: Graph, prefetch_depth: int = 1) -> bool:
+    """Move each marked all-gather to its prefetch slot (see the module docstring); True when the
+    graph changed."""
+    check_graph(PASS, graph)
+    if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+        raise ValueError(f"{PASS}: prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ags = [n for n in graph.nodes if is_op(n, (ALL_GATHER,)) and block_of(n) is not None
+           and len(n.users) == 1 and is_op(_wait(n), (WAIT,))]
+    ags.sort(key=lambda ag: order[_wait(ag)])
+    changed = False
+    for j in range(prefetch_depth, len(ags)):
+        ag, slot = ags[j], _wait(ags[j - prefetch_depth]).next
+        cone = sorted(input_cone(ag), key=order.__getitem__)
+        moving = set(cone) | {ag}
+        node = slot
+        while node in moving and node is not ag:
+            node = node.next
+        if node is ag:  # already in its slot
+            continue
+        outside = [i for n in cone + [ag] for i in n.all_input_nodes if i not in moving]
+        if any(order[i] >= order[slot] for i in outside):
+            record(PASS, "skipped: inputs not ready at the prefetch slot", ag)
+            continue
+        for n in cone + [ag]:
+            slot.prepend(n)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        record(PASS, f"all_gather issued {prefetch_depth} block(s) ahead", ag)
+        changed = True
+    return changed
