@@ -7,7 +7,7 @@ gathered parameters of every block would be alive together. This pass orders the
 all-gathers (``node.meta["custom"]["data_parallel_block"]``) by the first use of their result,
 and moves the ``j``-th, with the nodes that feed only it (the bucket's ``cat`` and casts), to
 just after the wait of the ``(j - prefetch_depth)``-th; the first ``prefetch_depth`` stay where
-they are. In forward that is the next block's gather going out before the current block's
+they are if that is before the first wait, and go right before it otherwise. In forward that is the next block's gather going out before the current block's
 compute; in a backward that gathers again it is the same in reverse block order. With depth 1::
 
     before                                   after
@@ -52,8 +52,13 @@ def prefetch_block_all_gathers(graph: Graph, prefetch_depth: int = 1) -> bool:
            and len(n.users) == 1 and is_op(_wait(n), (WAIT,))]
     ags.sort(key=lambda ag: order[_wait(ag)])
     changed = False
-    for j in range(prefetch_depth, len(ags)):
-        ag, slot = ags[j], _wait(ags[j - prefetch_depth]).next
+    for j, ag in enumerate(ags):
+        if j < prefetch_depth:  # the first ones go out before the first wait, where they are
+            if order[ag] < order[_wait(ags[0])]:
+                continue
+            slot = _wait(ags[0])
+        else:
+            slot = _wait(ags[j - prefetch_depth]).next
         cone = sorted(input_cone(ag), key=order.__getitem__)
         moving = set(cone) | {ag}
         node = slot

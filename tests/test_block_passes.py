@@ -1,0 +1,241 @@
+"""bucket_block_all_gathers, bucket_block_reduce_scatters, prefetch_block_all_gathers: snapshots,
+the rewritten graphs' values (simulated collectives), negative cases, idempotence (fake process
+group); and the three on data_parallel's own partitioned graphs."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single
+
+from compiled_hooks.fsdp.gather import BLOCK
+from passes import bucket_block_all_gathers, bucket_block_reduce_scatters, prefetch_block_all_gathers, schedule_collectives
+from passes._graph import ALL_GATHER, REDUCE_SCATTER
+from passes.testing import gathered_bytes_alive, graph_str, trace
+from passes.verify import check_rewrite, copy_graph
+from tests.passcase import PassTestCase
+
+
+def mark(gm, blocks):
+    """Mark the graph's collectives, in order, with the blocks ``data_parallel`` would name."""
+    colls = [n for n in gm.graph.nodes if n.target in (ALL_GATHER, REDUCE_SCATTER)]
+    assert len(colls) == len(blocks)
+    for node, block in zip(colls, blocks):
+        if block is not None:
+            node.meta["custom"] = {BLOCK: block}
+    return gm
+
+
+def gather_fn(a, b, c):
+    """Three parameters' shards (two of block "0", one of block "1"), cast, gathered and used."""
+    g = dist.group.WORLD
+    fa = all_gather_single(a.to(torch.bfloat16), 0, g)[:3]
+    x = torch.sin(fa)
+    fb = all_gather_single(b.to(torch.bfloat16), 0, g)
+    y = x.sum(0) * fb
+    fc = all_gather_single(c.to(torch.bfloat16), 0, g)
+    return y.sum() * fc
+
+
+def gather_graph(blocks=("0", "0", "1")):
+    _ = trace(lambda: None, world_size=2)
+    return mark(trace(gather_fn, torch.randn(2, 4), torch.randn(2), torch.randn(3), world_size=2), blocks)
+
+
+def reduce_fn(g1, g2, g3):
+    """Three gradients through the bf16 hook's chain (pre-divide, cast, reduce-scatter, cast back)."""
+    g = dist.group.WORLD
+    outs = [reduce_scatter_single((x / 2).to(torch.bfloat16).reshape(-1), "sum", 0, g).to(torch.float32)
+            for x in (torch.sin(g1), torch.sin(g2), torch.sin(g3))]
+    return [o + 1 for o in outs]
+
+
+def reduce_graph(blocks=("0", "0", "1")):
+    _ = trace(lambda: None, world_size=2)
+    return mark(trace(reduce_fn, torch.randn(4, 3), torch.randn(6), torch.randn(2, 2), world_size=2), blocks)
+
+
+class TestBucketBlockAllGathers(PassTestCase):
+    def test_one_all_gather_per_block_casts_in_the_bucket(self):
+        gm = gather_graph()
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, bucket_block_all_gathers)
+        self.assertTrue(all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function"))
+        self.assertExpectedInline(graph_str(gm), """\
+a_1: f32[2, 4] = input
+b_1: f32[2] = input
+c_1: f32[3] = input
+convert_element_type: bf16[2, 4] = prims.convert_element_type(a_1, bf16)
+convert_element_type_1: bf16[2] = prims.convert_element_type(b_1, bf16)
+reshape_default: bf16[8] = aten.reshape(convert_element_type, [-1])
+bucket_cat: bf16[10] = aten.cat([reshape_default, convert_element_type_1])
+bucket_all_gather: bf16[20] = c10d.all_gather_into_tensor(bucket_cat, 2, group(size=2))
+bucket_wait: bf16[20] = c10d.wait_tensor(bucket_all_gather)
+view_default: bf16[2, 10] = aten.view(bucket_wait, [2, 10])
+bucket_pieces: (bf16[2, 8], bf16[2, 2]) = aten.split_with_sizes(view_default, [8, 2], 1)
+getitem: bf16[2, 8] = getitem(bucket_pieces, 0)
+reshape_default_1: bf16[4, 4] = aten.reshape(getitem, [4, 4])
+getitem_1: bf16[2, 2] = getitem(bucket_pieces, 1)
+reshape_default_2: bf16[4] = aten.reshape(getitem_1, [4])
+slice_copy: bf16[3, 4] = aten.slice_copy(reshape_default_1, 0, 0, 3)
+sin: bf16[3, 4] = aten.sin(slice_copy)
+sum_1: bf16[4] = aten.sum.dim_IntList(sin, [0])
+mul: bf16[4] = aten.mul(sum_1, reshape_default_2)
+convert_element_type_2: bf16[3] = prims.convert_element_type(c_1, bf16)
+all_gather_into_tensor_2: bf16[6] = c10d.all_gather_into_tensor(convert_element_type_2, 2, group(size=2))
+wait_tensor_2: bf16[6] = c10d.wait_tensor(all_gather_into_tensor_2)
+sum_2: bf16[] = aten.sum(mul)
+mul_1: bf16[6] = aten.mul(sum_2, wait_tensor_2)
+return mul_1""")
+        self.assertTrue(check_rewrite("bucket_block_all_gathers", before, gm.graph))
+
+    def test_unmarked_all_gathers_are_not_ours(self):
+        gm = gather_graph(blocks=(None, None, None))
+        text = graph_str(gm)
+        self.assertFalse(bucket_block_all_gathers(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_member_whose_input_needs_another_members_result_is_left_alone(self):
+        def fn(a):
+            g = dist.group.WORLD
+            fa = all_gather_single(a, 0, g)
+            return all_gather_single(fa[:2] * 2, 0, g)  # the second gathers what the first gave
+
+        _ = trace(lambda: None, world_size=2)
+        gm = mark(trace(fn, torch.randn(2), world_size=2), ["0", "0"])
+        self.assertUntouched(gm, bucket_block_all_gathers, "a member's input is not ready")
+
+
+class TestBucketBlockReduceScatters(PassTestCase):
+    def test_one_reduce_scatter_per_block_rank_major(self):
+        gm = reduce_graph()
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, bucket_block_reduce_scatters)
+        self.assertTrue(all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function"))
+        self.assertExpectedInline(graph_str(gm), """\
+g1_1: f32[4, 3] = input
+g2_1: f32[6] = input
+g3_1: f32[2, 2] = input
+sin: f32[4, 3] = aten.sin(g1_1)
+sin_1: f32[6] = aten.sin(g2_1)
+div: f32[4, 3] = aten.div(sin, 2)
+convert_element_type: bf16[4, 3] = prims.convert_element_type(div, bf16)
+view: bf16[12] = aten.view(convert_element_type, [-1])
+reshape_default: bf16[2, 6] = aten.reshape(view, [2, -1])
+div_1: f32[6] = aten.div(sin_1, 2)
+convert_element_type_2: bf16[6] = prims.convert_element_type(div_1, bf16)
+view_1: bf16[6] = aten.view(convert_element_type_2, [-1])
+reshape_default_1: bf16[2, 3] = aten.reshape(view_1, [2, -1])
+bucket_cat: bf16[2, 9] = aten.cat([reshape_default, reshape_default_1], 1)
+reshape_default_2: bf16[18] = aten.reshape(bucket_cat, [-1])
+bucket_reduce_scatter_tensor: bf16[9] = c10d.reduce_scatter_tensor(reshape_default_2, 'sum', 2, group(size=2))
+sin_2: f32[2, 2] = aten.sin(g3_1)
+div_2: f32[2, 2] = aten.div(sin_2, 2)
+convert_element_type_4: bf16[2, 2] = prims.convert_element_type(div_2, bf16)
+view_2: bf16[4] = aten.view(convert_element_type_4, [-1])
+reduce_scatter_tensor_2: bf16[2] = c10d.reduce_scatter_tensor(view_2, 'sum', 2, group(size=2))
+wait_tensor_2: bf16[2] = c10d.wait_tensor(reduce_scatter_tensor_2)
+convert_element_type_5: f32[2] = prims.convert_element_type(wait_tensor_2, f32)
+add_2: f32[2] = aten.add(convert_element_type_5, 1)
+bucket_wait: bf16[9] = c10d.wait_tensor(bucket_reduce_scatter_tensor)
+bucket_pieces: (bf16[6], bf16[3]) = aten.split_with_sizes(bucket_wait, [6, 3])
+getitem: bf16[6] = getitem(bucket_pieces, 0)
+convert_element_type_1: f32[6] = prims.convert_element_type(getitem, f32)
+getitem_1: bf16[3] = getitem(bucket_pieces, 1)
+convert_element_type_3: f32[3] = prims.convert_element_type(getitem_1, f32)
+add: f32[6] = aten.add(convert_element_type_1, 1)
+add_1: f32[3] = aten.add(convert_element_type_3, 1)
+return [add, add_1, add_2]""")
+        self.assertTrue(check_rewrite("bucket_block_reduce_scatters", before, gm.graph))
+
+    def test_non_constant_factor_is_left_alone(self):
+        def fn(g1, g2, k):
+            g = dist.group.WORLD
+            return [reduce_scatter_single((x / k).reshape(-1), "sum", 0, g) for x in (torch.sin(g1), torch.sin(g2))]
+
+        _ = trace(lambda: None, world_size=2)
+        gm = mark(trace(fn, torch.randn(4), torch.randn(2), torch.randn(()), world_size=2), ["0", "0"])
+        self.assertUntouched(gm, bucket_block_reduce_scatters, "non-constant factor")
+
+
+def chain_fn(a, b, c):
+    """Three blocks used in turn, their all-gathers all at the top (as schedule_collectives leaves
+    them)."""
+    g = dist.group.WORLD
+    fa, fb, fc = (all_gather_single(t, 0, g) for t in (a, b, c))
+    x = torch.sin(fa)
+    x = torch.sin(x * fb)
+    return torch.sin(x * fc)
+
+
+class TestPrefetchBlockAllGathers(PassTestCase):
+    def graph(self):
+        _ = trace(lambda: None, world_size=2)
+        gm = mark(trace(chain_fn, torch.randn(4), torch.randn(4), torch.randn(4), world_size=2), ["a", "b", "c"])
+        schedule_collectives(gm.graph)  # what the pipeline runs first: waits at their uses
+        return gm
+
+    def test_next_block_goes_out_after_the_current_blocks_wait(self):
+        gm = self.graph()
+        before = copy_graph(gm.graph)
+        peak = max(gathered_bytes_alive(gm.graph))
+        self.assertRewrites(gm, prefetch_block_all_gathers)
+        self.assertExpectedInline(graph_str(gm), """\
+a_1: f32[4] = input
+all_gather_into_tensor: f32[8] = c10d.all_gather_into_tensor(a_1, 2, group(size=2))
+b_1: f32[4] = input
+c_1: f32[4] = input
+wait_tensor: f32[8] = c10d.wait_tensor(all_gather_into_tensor)
+all_gather_into_tensor_1: f32[8] = c10d.all_gather_into_tensor(b_1, 2, group(size=2))
+sin: f32[8] = aten.sin(wait_tensor)
+wait_tensor_1: f32[8] = c10d.wait_tensor(all_gather_into_tensor_1)
+all_gather_into_tensor_2: f32[8] = c10d.all_gather_into_tensor(c_1, 2, group(size=2))
+mul: f32[8] = aten.mul(sin, wait_tensor_1)
+sin_1: f32[8] = aten.sin(mul)
+wait_tensor_2: f32[8] = c10d.wait_tensor(all_gather_into_tensor_2)
+mul_1: f32[8] = aten.mul(sin_1, wait_tensor_2)
+sin_2: f32[8] = aten.sin(mul_1)
+return sin_2""")
+        self.assertLess(max(gathered_bytes_alive(gm.graph)), peak)
+        self.assertTrue(check_rewrite("prefetch_block_all_gathers", before, gm.graph))
+
+    def test_depth_two_keeps_two_in_flight(self):
+        gm = self.graph()
+        self.assertRewrites(gm, prefetch_block_all_gathers, prefetch_depth=2)
+        order = [n.name for n in gm.graph.nodes if n.op == "call_function" and "c10d" in str(n.target)]
+        self.assertEqual(order, ["all_gather_into_tensor", "all_gather_into_tensor_1", "wait_tensor",
+                                 "all_gather_into_tensor_2", "wait_tensor_1", "wait_tensor_2"])
+
+    def test_bad_depth(self):
+        with pytest.raises(ValueError, match="prefetch_depth must be an int >= 1"):
+            prefetch_block_all_gathers(self.graph().graph, prefetch_depth=0)
+
+
+def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
+    """The passes on data_parallel's partitioned forward and backward (reshard_after_forward,
+    4 fake ranks): one all-gather per block each way, one reduce-scatter per block, at most the
+    root and two blocks' gathered parameters alive (prefetch depth 1), the same values."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import passes
+    from compiled_hooks.fsdp import data_parallel
+    from passes.testing import fake_process_group, partitioned_graphs
+    from tests.test_data_parallel import BF16, DIM, HIDDEN, VOCAB, Net
+
+    fake_process_group(4)
+    model = data_parallel(Net(), init_device_mesh("cpu", (4,)), mp_policy=BF16)
+    tokens = torch.randint(0, VOCAB, (4, 6))
+    graphs = dict(partitioned_graphs(lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward()))
+    counts = {}
+    for kind, gm in graphs.items():
+        before = copy_graph(gm.graph)
+        for graph_pass in (passes.fold_collective_scaling, bucket_block_all_gathers, bucket_block_reduce_scatters,
+                           schedule_collectives, prefetch_block_all_gathers):
+            graph_pass(gm.graph)
+        gm.graph.lint()
+        assert check_rewrite(kind, before, gm.graph)
+        counts[kind] = [sum(n.target is op for n in gm.graph.nodes) for op in (ALL_GATHER, REDUCE_SCATTER)]
+        rows = lambda r: -(-r // 4) * 4  # noqa: E731 - padded rows
+        root = rows(VOCAB) * DIM * 2
+        block = (rows(HIDDEN) * (DIM + 1) + rows(DIM) * (HIDDEN + 1)) * 2
+        assert max(gathered_bytes_alive(gm.graph)) <= root + 2 * block, kind
+    assert counts == {"forward": [3, 0], "backward": [3, 3]}
