@@ -29,6 +29,7 @@ from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .pipeline import Pipeline, default_pipeline, install
 from .prefetch_block_all_gathers import prefetch_block_all_gathers
 from .rank_guard import RankDivergenceError
+from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update
@@ -49,6 +50,7 @@ __all__ = [
     "shard_weight_update",
     "all_to_all_weight_update",
     "all_gather_as_all_to_all",
+    "reduce_scatter_as_all_to_all",
     "insert_rank_guard",
     "RankDivergenceError",
     "Pipeline",

@@ -42,6 +42,7 @@ from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .prefetch_block_all_gathers import prefetch_block_all_gathers
 from .rank_guard import RankDivergenceError, unraised_verdict
+from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
@@ -216,16 +217,17 @@ def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool
     """``all_to_all_weight_update``, ``fold_collective_scaling``, ``bucket_block_all_gathers``,
     ``bucket_block_reduce_scatters``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
     ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
-    ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``
-    (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``, ``all_gather_backends``,
+    ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``,
+    ``reduce_scatter_as_all_to_all`` (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``, ``all_gather_backends``,
     ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``,
-    ``prefetch_depth``;
+    ``prefetch_depth``, ``reduce_scatter_backends``;
     ``shard_backends`` with ``shard_weight_update``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces
     it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
     passes = [all_to_all_weight_update, fold_collective_scaling, bucket_block_all_gathers, bucket_block_reduce_scatters,
               fuse_collective_casts, bucket_low_rank_factors, fuse_cat_prologue, interleave_zero_broadcasts,
-              schedule_collectives, prefetch_block_all_gathers, reinplace_broadcasts, all_gather_as_all_to_all]
+              schedule_collectives, prefetch_block_all_gathers, reinplace_broadcasts, all_gather_as_all_to_all,
+              reduce_scatter_as_all_to_all]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)

@@ -8,7 +8,8 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single
 
 from compiled_hooks.fsdp.gather import BLOCK
-from passes import bucket_block_all_gathers, bucket_block_reduce_scatters, prefetch_block_all_gathers, schedule_collectives
+from passes import (bucket_block_all_gathers, bucket_block_reduce_scatters, prefetch_block_all_gathers,
+                    reduce_scatter_as_all_to_all, schedule_collectives)
 from passes._graph import ALL_GATHER, REDUCE_SCATTER
 from passes.testing import gathered_bytes_alive, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
@@ -239,3 +240,33 @@ def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
         block = (rows(HIDDEN) * (DIM + 1) + rows(DIM) * (HIDDEN + 1)) * 2
         assert max(gathered_bytes_alive(gm.graph)) <= root + 2 * block, kind
     assert counts == {"forward": [3, 0], "backward": [3, 3]}
+
+
+class TestReduceScatterAsAllToAll(PassTestCase):
+    def graph(self, op="avg"):
+        _ = trace(lambda: None, world_size=2)
+        return trace(lambda x: reduce_scatter_single(x.to(torch.bfloat16), op, 0, dist.group.WORLD).float() + 1,
+                     torch.randn(4, 3), world_size=2)
+
+    def test_all_to_all_and_a_sum_in_fp32(self):
+        gm = self.graph()
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, reduce_scatter_as_all_to_all, reduce_scatter_backends={"fake"})
+        self.assertExpectedInline(graph_str(gm), """\
+x_1: f32[4, 3] = input
+convert_element_type: bf16[4, 3] = prims.convert_element_type(x_1, bf16)
+all_to_all_single_default: bf16[4, 3] = c10d.all_to_all_single(convert_element_type, [2, 2], [2, 2], group(size=2))
+wait_tensor: bf16[4, 3] = c10d.wait_tensor(all_to_all_single_default)
+view_default: bf16[2, 2, 3] = aten.view(wait_tensor, [2, 2, 3])
+sum_dim_int_list: f32[2, 3] = aten.sum.dim_IntList(view_default, [0], dtype=f32)
+div_tensor: f32[2, 3] = aten.div(sum_dim_int_list, 2)
+convert_element_type_default: bf16[2, 3] = prims.convert_element_type(div_tensor, bf16)
+convert_element_type_1: f32[2, 3] = prims.convert_element_type(convert_element_type_default, f32)
+add: f32[2, 3] = aten.add(convert_element_type_1, 1)
+return add""")
+        self.assertTrue(check_rewrite("reduce_scatter_as_all_to_all", before, gm.graph))
+
+    def test_other_backends_and_ops_are_left_alone(self):
+        self.assertUntouched(self.graph(), reduce_scatter_as_all_to_all, "backend fake")
+        self.assertUntouched(self.graph("max"), reduce_scatter_as_all_to_all, "reduce op max",
+                             reduce_scatter_backends={"fake"})
