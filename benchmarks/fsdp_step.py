@@ -21,9 +21,11 @@ every step; medians on rank 0. Per configuration: median step, its ratio to the 
 peer (``keep`` rows) or to FSDP2 eager (``reshard`` rows), collectives and MB they move per step
 (counted by the profiler over one step: the full size of each all-gather's output and
 reduce-scatter's input), and the peak bytes of gathered parameters alive at once, from the
-partitioned forward and backward graphs of our configurations. The bound under each table: each
-rank sends ``(N - 1) / N`` of every collective's full size at the link's rate, or the compute alone
-if longer.
+partitioned forward and backward graphs of our configurations. Two references per row: the bound,
+each rank sending ``(N - 1) / N`` of every collective's full size at the link's rate, or the compute
+alone if longer; and the same collectives issued back to back with nothing else, which on gloo
+take well over their bytes' time (its reduce-scatter runs at under half the link rate), so a step
+at 1.0x of them overlaps all of its compute.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -49,7 +51,7 @@ from train_ddp import TinyTransformer, synchronize  # noqa: E402
 
 import passes  # noqa: E402
 from compiled_hooks.fsdp import data_parallel  # noqa: E402
-from launch import add_link_argument, describe_link, launch  # noqa: E402
+from launch import add_link_argument, describe_link, launch, link_bytes_per_s  # noqa: E402
 from passes.testing import gathered_bytes_alive, partitioned_graphs  # noqa: E402
 import results  # noqa: E402
 
@@ -173,32 +175,58 @@ _FULL_SIZE = {"_c10d_functional::all_gather_into_tensor": (0, True), "_c10d_func
               "c10d::allreduce_": (0, False)}
 
 
-def count_collectives(step, world: int) -> tuple[int, float]:
-    """Collectives in one ``step()`` and the MB they move at full size (an all-gather's output, a
-    reduce-scatter's or all-reduce's input), from the profiler's recorded shapes."""
+def record_collectives(step, world: int) -> list[tuple[str, list[int], str, int]]:
+    """The collectives one ``step()`` issues, from the profiler's recorded shapes: (name, shape of
+    the input that holds its size, dtype, full size in bytes: an all-gather's output, a
+    reduce-scatter's, all-to-all's or all-reduce's input)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
-    count, size = 0, 0
+    calls = []
     for e in prof.events():
         if e.name not in _FULL_SIZE:
             continue
         arg, part = _FULL_SIZE[e.name]
         shape = e.input_shapes[arg]
         shape = shape[0] if shape and isinstance(shape[0], list) else shape  # a list of tensors
+        dtype = e.input_dtypes[arg] if e.input_dtypes else "float"
         numel = 1
         for d in shape:
             numel *= d
-        dtype = e.input_dtypes[arg] if e.input_dtypes else "float"
-        count += 1
-        size += numel * _ITEMSIZE.get(dtype, 4) * (world if part else 1)
-    return count, size / 2**20
+        calls.append((e.name, list(shape), dtype, numel * _ITEMSIZE.get(dtype, 4) * (world if part else 1)))
+    return calls
 
 
-def link_bytes_per_s(link: str | None) -> float | None:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", (link or "").lower())
-    if not match:
-        return None
-    return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)] / 8
+_DTYPE = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16}
+
+
+def replay_ms(calls: list[tuple[str, list[int], str, int]], world: int, reps: int = 5) -> float:
+    """Median time of the same collectives issued back to back with nothing else: what gloo
+    needs for them on this link, against which the step's own overlap is judged."""
+    group = dist.group.WORLD
+    tensors = [(name, torch.zeros(shape, dtype=_DTYPE.get(dtype, torch.float32))) for name, shape, dtype, _ in calls]
+
+    def once() -> None:
+        for name, x in tensors:
+            if name == "_c10d_functional::all_gather_into_tensor":
+                fcol.wait_tensor(fcol.all_gather_tensor(x, 0, group))
+            elif name == "_c10d_functional::reduce_scatter_tensor":
+                fcol.wait_tensor(fcol.reduce_scatter_tensor(x, "sum", 0, group))
+            elif name == "_c10d_functional::all_to_all_single":
+                fcol.wait_tensor(fcol.all_to_all_single(x, None, None, group))
+            elif name in ("_c10d_functional::all_reduce", "c10d::allreduce_"):
+                dist.all_reduce(x)
+            elif name == "c10d::_allgather_base_":  # x is the output
+                dist.all_gather_into_tensor(x.reshape(-1), x.new_empty(x.numel() // world))
+            else:  # c10d::_reduce_scatter_base_
+                dist.reduce_scatter_tensor(x.new_empty(x.numel() // world), x.reshape(-1))
+
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
 
 
 PEERS_KEEP = ["SimpleFSDP-style + Inductor bucketing"]
@@ -215,7 +243,9 @@ def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: 
     for c in configs:
         c.step()  # compile
         c.step()
-        c.collectives, c.mb = count_collectives(c.step, world)
+        calls = record_collectives(c.step, world)
+        c.collectives, c.mb = len(calls), sum(b for *_, b in calls) / 2**20
+        c.alone_ms = replay_ms(calls, world) if calls else 0.0
         c.measure_peak()
     for i in range(steps):
         for c in configs[i % len(configs):] + configs[: i % len(configs)]:
@@ -231,8 +261,9 @@ def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: 
     dtype = "fp32" if param_dtype is None else "bf16"
     title = f"{model}, param_dtype {dtype}, reduce bf16"
     print(f"\n### {title}\n")
-    print("| configuration | median step (ms) | vs peer | vs bound | collectives/step | MB/step | peak gathered MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| configuration | median step (ms) | vs peer | vs bound | vs its collectives alone | collectives/step "
+          "| MB/step | peak gathered MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     best_keep = min(PEERS_KEEP, key=median.__getitem__)
     rows = []
     for c in configs:
@@ -240,14 +271,18 @@ def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: 
         wire = c.mb * 2**20 * (world - 1) / world / rate * 1e3 if rate else 0.0
         bound = max(wire, compute)
         rows.append(dict(config=c.name, median_ms=median[c.name], vs_peer=median[c.name] / median[peer],
-                         vs_bound=median[c.name] / bound, collectives=c.collectives, mb=c.mb,
+                         vs_bound=median[c.name] / bound, alone_ms=c.alone_ms,
+                         vs_alone=median[c.name] / c.alone_ms if c.alone_ms else None, collectives=c.collectives, mb=c.mb,
                          peak_gathered_mb=c.peak_mb, bound_ms=bound, peer=peer))
     for r in rows:
         peak = "-" if r["peak_gathered_mb"] is None else f"{r['peak_gathered_mb']:.1f}"
+        alone = "-" if r["vs_alone"] is None else f"{r['vs_alone']:.2f}x ({r['alone_ms']:.0f} ms)"
         print(f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_peer']:.2f}x ({r['peer']}) | "
-              f"{r['vs_bound']:.2f}x ({r['bound_ms']:.0f} ms) | {r['collectives']} | {r['mb']:.1f} | {peak} |")
+              f"{r['vs_bound']:.2f}x ({r['bound_ms']:.0f} ms) | {alone} | {r['collectives']} | {r['mb']:.1f} | {peak} |")
     print(f"\nbound per row: max(its collectives' bytes sent per rank at "
-          f"{'the link rate' if rate else 'an unknown rate (loopback: not counted)'}, compute alone {compute:.1f} ms)")
+          f"{'the link rate' if rate else 'an unknown rate (loopback: not counted)'}, compute alone {compute:.1f} ms); "
+          "collectives alone: the same collectives issued back to back with nothing else, the time gloo needs for "
+          "them here")
     return results.table(title, rows, ratio="vs_peer", note=f"compute alone {compute:.1f} ms")
 
 

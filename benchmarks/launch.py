@@ -43,6 +43,14 @@ def link_rate(text: str) -> str:
     return text
 
 
+def link_bytes_per_s(link: Optional[str]) -> Optional[float]:
+    """The link's rate in bytes per second (``"2gbit"`` -> 2.5e8); None for loopback."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", (link or "").lower())
+    if not match:
+        return None
+    return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)] / 8
+
+
 def add_link_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", type=link_rate, metavar="RATE",
                         help="run the two ranks on a link shaped to RATE (e.g. 2gbit; needs root, ip and tc)")

@@ -40,6 +40,9 @@ of any member's result, so it overlaps with the rest of the graph. A reduce_scat
 lays members out rank-major (``cat`` of ``[N, -1]`` views along dim 1), so each rank's
 shard holds its shard of every member.
 
+Reduce-scatters of a ``data_parallel`` block (marked ``meta["custom"]["data_parallel_block"]``)
+are ``bucket_block_reduce_scatters``' to bucket, one per block, and are left alone here.
+
 Collective order stays a function of the graph alone (buckets follow graph order), so every
 rank issues the same collectives in the same order. Idempotent: a bucket's input is a ``cat``,
 not a cast, so it is never a candidate again. Members are left alone when their chain has a
@@ -55,6 +58,7 @@ from torch.fx import Graph, Node
 
 from ._bucket import merge_chains
 from ._graph import Chain, cast_dtype, chains, check_graph, is_collective, record, val
+from .bucket_block_all_gathers import block_of
 
 PASS = "fuse_collective_casts"
 
@@ -159,7 +163,7 @@ def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, f
         raise ValueError(f"{PASS}: bucket caps must be positive, got {bucket_cap_mb}, {first_bucket_cap_mb}")
     candidates: dict[Node, Chain] = {}
     for chain in chains(graph, PASS):
-        if not _compressed(chain):
+        if not _compressed(chain) or block_of(chain.collective) is not None:  # data_parallel's: per block
             continue
         if chain.problem:
             record(PASS, f"skipped: {chain.problem}", chain.collective)

@@ -6,23 +6,26 @@ the top of the graph) and its wait right before its block's first use. Issued al
 gathered parameters of every block would be alive together. This pass orders the marked
 all-gathers (``node.meta["custom"]["data_parallel_block"]``) by the first use of their result,
 and moves the ``j``-th, with the nodes that feed only it (the bucket's ``cat`` and casts), to
-just after the wait of the ``(j - prefetch_depth)``-th; the first ``prefetch_depth`` stay where
-they are if that is before the first wait, and go right before it otherwise. In forward that is the next block's gather going out before the current block's
-compute; in a backward that gathers again it is the same in reverse block order. With depth 1::
+just before the wait of the ``(j - prefetch_depth)``-th; the first ``prefetch_depth`` stay
+where they are if that is before the first wait, and go right before it otherwise. In forward
+that is the next block's gather going out before the current block computes; in a backward
+that gathers again it is the same in reverse block order. With depth 1::
 
     before                                   after
     a1 = all_gather(f1); a2 = all_gather(f2) a1 = all_gather(f1)
-    a3 = all_gather(f3)                      w1 = wait_tensor(a1)
-    w1 = wait_tensor(a1)                     a2 = all_gather(f2)        # overlaps block 1
-    ... block 1 ...                          ... block 1 ...
-    w2 = wait_tensor(a2)                     w2 = wait_tensor(a2)
-    ... block 2 ...                          a3 = all_gather(f3)        # overlaps block 2
-    w3 = wait_tensor(a3)                     ... block 2 ...
+    a3 = all_gather(f3)                      a2 = all_gather(f2)
+    w1 = wait_tensor(a1)                     w1 = wait_tensor(a1)
+    ... block 1 ...                          ... block 1 ...            # a2 in flight
+    w2 = wait_tensor(a2)                     a3 = all_gather(f3)
+    ... block 2 ...                          w2 = wait_tensor(a2)
+    w3 = wait_tensor(a3)                     ... block 2 ...            # a3 in flight
     ... block 3 ...                          w3 = wait_tensor(a3)
                                              ... block 3 ...
 
-So at most ``prefetch_depth + 1`` blocks' gathered parameters are alive at once, counting those
-in flight, besides what the graph itself keeps. An all-gather whose inputs are not ready at its
+When block ``j`` computes, the blocks before it are done with their gathered parameters (the
+graph frees them after their last use, with ``reshard_after_forward``) and ``j + 1 .. j +
+prefetch_depth`` are in flight: at most ``prefetch_depth + 1`` blocks' gathered parameters are
+alive at once, besides what the graph itself keeps. Every wait stays right before its first use. An all-gather whose inputs are not ready at its
 slot stays where it is (counted). The order of collectives follows from the graph alone, the
 same on every rank; a second run finds every all-gather in its slot.
 """
@@ -53,19 +56,13 @@ def prefetch_block_all_gathers(graph: Graph, prefetch_depth: int = 1) -> bool:
     ags.sort(key=lambda ag: order[_wait(ag)])
     changed = False
     for j, ag in enumerate(ags):
-        if j < prefetch_depth:  # the first ones go out before the first wait, where they are
-            if order[ag] < order[_wait(ags[0])]:
-                continue
-            slot = _wait(ags[0])
-        else:
-            slot = _wait(ags[j - prefetch_depth]).next
+        slot = _wait(ags[max(j - prefetch_depth, 0)])
+        if j < prefetch_depth and order[ag] < order[slot]:
+            continue  # the first ones go out anywhere before the first wait
+        if slot.prev is ag:  # already in its slot
+            continue
         cone = sorted(input_cone(ag), key=order.__getitem__)
         moving = set(cone) | {ag}
-        node = slot
-        while node in moving and node is not ag:
-            node = node.next
-        if node is ag:  # already in its slot
-            continue
         outside = [i for n in cone + [ag] for i in n.all_input_nodes if i not in moving]
         if any(order[i] >= order[slot] for i in outside):
             record(PASS, "skipped: inputs not ready at the prefetch slot", ag)

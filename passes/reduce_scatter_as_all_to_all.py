@@ -2,9 +2,8 @@
 sum, because gloo's reduce-scatter is slow.
 
 On gloo (torch 2.13) a reduce-scatter takes longer than an all-reduce of the same tensor, which
-moves twice the bytes: on a 2 Gbit/s link between two ranks, 16 MB of bf16 took 82 ms to
-reduce-scatter, 70 ms to all-reduce and 55 ms to all-to-all, where the bytes alone need 32 ms
-(``benchmarks/fsdp_step.py`` shows its effect on a training step). An all-to-all sends every
+moves twice the bytes, and longer than an all-to-all of it (measured on the shaped link:
+docs/benchmarks.md, "Collective costs on gloo"). An all-to-all sends every
 rank the same bytes a ring reduce-scatter does, ``(N - 1) / N`` of the input; each rank then adds
 up the ``N`` pieces it received, in rank order, accumulating in fp32 when the wire dtype is
 narrower::

@@ -9,7 +9,8 @@ that window in the graph, for every functional collective (bucketed or not):
   uses the result;
 - each collective moves up to just after the last of its inputs, but never above the previous
   collective (the order of collectives stays the graph's, the same on every rank) nor above a
-  node with side effects (a mutation might write what it reads).
+  node with side effects (a mutation might write what it reads). A ``data_parallel`` block's
+  all-gather stays where it is: ``prefetch_block_all_gathers`` places those.
 
 For two layers' gradients of a compiled DDP backward::
 
@@ -98,6 +99,12 @@ def _side_effects(node: Node, known: dict) -> bool:
     return known[node.target]
 
 
+def _prefetched(node: Node) -> bool:
+    """A data_parallel block's all-gather: prefetch_block_all_gathers places it, so that the
+    gathered parameters alive at once stay bounded; it is not raised here."""
+    return is_op(node, (ALL_GATHER,)) and block_of(node) is not None
+
+
 def _raise_collectives(graph: Graph) -> bool:
     # Positions as (index in the graph before this step, number of collectives placed there):
     # a collective moved right after node X sorts between X and X's old successor.
@@ -106,7 +113,9 @@ def _raise_collectives(graph: Graph) -> bool:
     known: dict = {}
     moved = 0
     for node in list(graph.nodes):
-        if is_collective(node):
+        if _prefetched(node):
+            barrier = node  # prefetch_block_all_gathers places it
+        elif is_collective(node):
             anchor = max(node.all_input_nodes + ([barrier] if barrier is not None else []),
                          key=pos.__getitem__, default=None)
             if anchor is not None and anchor is not node.prev and pos[anchor] < pos[node]:
@@ -141,8 +150,8 @@ def schedule_problems(graph: Graph) -> list[str]:
             node = node.next
     barrier, known = None, {}
     for node in graph.nodes:
-        if is_collective(node) and block_of(node) is not None and is_op(node, (ALL_GATHER,)):
-            barrier = node  # placed by prefetch_block_all_gathers, which bounds the gathered memory
+        if _prefetched(node):
+            barrier = node
         elif is_collective(node):
             if node.prev not in node.all_input_nodes and node.prev is not barrier:
                 problems.append(f"{node.name} could be issued before {node.prev.name}")

@@ -68,11 +68,12 @@ def trace(fn: Callable[..., Any], *args: Any, world_size: Optional[int] = 8) -> 
         fake_process_group(world_size)
     # Functionalized like AOTAutograd's output: in-place updates of inputs become a copy_
     # epilogue at the end of the graph, which is where Inductor's post-grad passes find them.
-    gm = make_fx(
-        functionalize(fn, remove="mutations_and_views"),
-        tracing_mode="fake",
-        decomposition_table=select_decomp_table(),
-    )(*args)
+    with torch.fx.traceback.preserve_node_meta():  # keeps torch.fx.traceback.annotate's marks
+        gm = make_fx(
+            functionalize(fn, remove="mutations_and_views"),
+            tracing_mode="fake",
+            decomposition_table=select_decomp_table(),
+        )(*args)
     remove_noop_ops(gm.graph)
     gm.recompile()
     return gm

@@ -5,7 +5,8 @@ scale in front of the hook, an intermediate that is also returned, part of the g
 reduced in a subgroup); a ZeRO-shaped step (average, update, broadcast from an owner); the
 ZeRO hooks' step over a real ``ZeroOptimizer`` (SGD-momentum, Adam or AdamW, whole parameters or
 ``shard_buckets``, interleaved or after backward, fp32 or bf16 hook, buckets of one parameter,
-a few, or all); and hand-written chains
+a few, or all); ``data_parallel``-shaped blocks of gathers and reduce-scatters under their block
+marks; and hand-written chains
 (random constant factors, casts, views, sum or avg, all_reduce or reduce_scatter). Each case is
 ``(description, make, args, world_size)``; ``make()`` builds the function and its process-group
 state, after the fake group of ``world_size`` exists; ``args`` is a tuple, or a callable giving
@@ -161,7 +162,41 @@ def zero_optimizer_case(rng: random.Random, ws: int) -> Case:
     return desc, make, lambda: built["args"](rng.randint(0, 1000)), ws
 
 
-FAMILIES = [hook_case, ddp_case, zero_case, zero_optimizer_case, chain_case]
+def data_parallel_case(rng: random.Random, ws: int) -> Case:
+    """data_parallel-shaped: blocks of 1-3 parameter shards, each all-gathered (cast first for a
+    compressed kind) under its block's mark, used, and a gradient of it reduce-scattered back to
+    the shard's shape through the kind's hook, also under the mark."""
+    from torch.fx.traceback import annotate
+
+    from compiled_hooks.fsdp.gather import BLOCK
+
+    blocks = [[_shape(rng) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 4))]
+    kind = rng.choice(list(HOOKS))
+
+    def make():
+        _, rs, state_cls = HOOKS[kind]
+        state, wire = state_cls(dist.group.WORLD), KINDS[kind]
+
+        def fn(*shards):
+            it, x, grads = iter(shards), torch.zeros(()), []
+            for b, shapes in enumerate(blocks):
+                with annotate({BLOCK: str(b)}):
+                    for _ in shapes:
+                        shard = next(it)
+                        full = fcol.all_gather_single(shard if wire is None else shard.to(wire), 0, dist.group.WORLD)
+                        x = x + torch.sin(full.float()).sum()
+                        grad = torch.empty_like(shard)
+                        rs(state, torch.cos(full.float() * x), grad)
+                        grads.append(grad)
+            return grads
+
+        return fn
+
+    args = tuple(_tensor(rng, shape) for shapes in blocks for shape in shapes)
+    return f"data_parallel {kind} blocks={[len(b) for b in blocks]}", make, args, ws
+
+
+FAMILIES = [hook_case, ddp_case, zero_case, zero_optimizer_case, chain_case, data_parallel_case]
 
 
 def random_case(rng: random.Random) -> Case:

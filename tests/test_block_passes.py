@@ -175,21 +175,21 @@ class TestPrefetchBlockAllGathers(PassTestCase):
         schedule_collectives(gm.graph)  # what the pipeline runs first: waits at their uses
         return gm
 
-    def test_next_block_goes_out_after_the_current_blocks_wait(self):
+    def test_each_block_goes_out_one_block_ahead(self):
         gm = self.graph()
         before = copy_graph(gm.graph)
         peak = max(gathered_bytes_alive(gm.graph))
         self.assertRewrites(gm, prefetch_block_all_gathers)
         self.assertExpectedInline(graph_str(gm), """\
 a_1: f32[4] = input
-all_gather_into_tensor: f32[8] = c10d.all_gather_into_tensor(a_1, 2, group(size=2))
 b_1: f32[4] = input
 c_1: f32[4] = input
-wait_tensor: f32[8] = c10d.wait_tensor(all_gather_into_tensor)
+all_gather_into_tensor: f32[8] = c10d.all_gather_into_tensor(a_1, 2, group(size=2))
 all_gather_into_tensor_1: f32[8] = c10d.all_gather_into_tensor(b_1, 2, group(size=2))
+wait_tensor: f32[8] = c10d.wait_tensor(all_gather_into_tensor)
 sin: f32[8] = aten.sin(wait_tensor)
-wait_tensor_1: f32[8] = c10d.wait_tensor(all_gather_into_tensor_1)
 all_gather_into_tensor_2: f32[8] = c10d.all_gather_into_tensor(c_1, 2, group(size=2))
+wait_tensor_1: f32[8] = c10d.wait_tensor(all_gather_into_tensor_1)
 mul: f32[8] = aten.mul(sin, wait_tensor_1)
 sin_1: f32[8] = aten.sin(mul)
 wait_tensor_2: f32[8] = c10d.wait_tensor(all_gather_into_tensor_2)
@@ -199,12 +199,12 @@ return sin_2""")
         self.assertLess(max(gathered_bytes_alive(gm.graph)), peak)
         self.assertTrue(check_rewrite("prefetch_block_all_gathers", before, gm.graph))
 
-    def test_depth_two_keeps_two_in_flight(self):
-        gm = self.graph()
-        self.assertRewrites(gm, prefetch_block_all_gathers, prefetch_depth=2)
+    def test_depth_two_sends_all_three_before_the_first_wait(self):
+        gm = self.graph()  # three blocks: while the first computes, the other two are in flight
+        self.assertFalse(prefetch_block_all_gathers(gm.graph, prefetch_depth=2))
         order = [n.name for n in gm.graph.nodes if n.op == "call_function" and "c10d" in str(n.target)]
-        self.assertEqual(order, ["all_gather_into_tensor", "all_gather_into_tensor_1", "wait_tensor",
-                                 "all_gather_into_tensor_2", "wait_tensor_1", "wait_tensor_2"])
+        self.assertEqual(order, ["all_gather_into_tensor", "all_gather_into_tensor_1", "all_gather_into_tensor_2",
+                                 "wait_tensor", "wait_tensor_1", "wait_tensor_2"])
 
     def test_bad_depth(self):
         with pytest.raises(ValueError, match="prefetch_depth must be an int >= 1"):

@@ -1,0 +1,80 @@
+"""What one collective costs on gloo, against the time its bytes need on the link.
+
+    python benchmarks/gloo_collectives.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+
+For tensors of 8 and 16 MB of bf16 (the full size: an all-gather's output, every other
+collective's input): all_reduce, the functional reduce_scatter_tensor, all_gather_into_tensor and
+all_to_all_single as traced graphs issue them, and ``dist.all_gather_into_tensor`` /
+``dist.reduce_scatter_tensor`` as FSDP2 does. Medians of ``--reps`` back-to-back runs, each after a
+barrier. The ideal is each rank sending ``(N - 1) / N`` of the full size at the link's rate (twice
+that for a ring all_reduce). The passes' gloo rules (``all_gather_as_all_to_all``,
+``reduce_scatter_as_all_to_all``, ``shard_weight_update``'s backends) rest on this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch import add_link_argument, describe_link, launch, link_bytes_per_s  # noqa: E402
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace) -> bool:
+    group = dist.group.WORLD
+    rate = link_bytes_per_s(args.link)
+    rows = []
+    for mb in args.sizes_mb:
+        numel = int(mb * 2**20) // 2 // world * world
+        full, part = torch.ones(numel, dtype=torch.bfloat16), torch.ones(numel // world, dtype=torch.bfloat16)
+        cases = {
+            "all_reduce": (lambda: dist.all_reduce(full), 2),
+            "reduce_scatter_tensor (functional)": (lambda: fcol.wait_tensor(fcol.reduce_scatter_tensor(full, "sum", 0, group)), 1),
+            "all_to_all_single (functional)": (lambda: fcol.wait_tensor(fcol.all_to_all_single(full, None, None, group)), 1),
+            "all_gather_into_tensor (functional)": (lambda: fcol.wait_tensor(fcol.all_gather_tensor(part, 0, group)), 1),
+            "dist.reduce_scatter_tensor": (lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full), 1),
+            "dist.all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(torch.empty_like(full), part), 1),
+        }
+        for name, (fn, passes_over) in cases.items():
+            ms = timed(fn, args.reps)
+            ideal = passes_over * numel * 2 * (world - 1) / world / rate * 1e3 if rate else None
+            rows.append((f"{name}, {mb:g} MB bf16", ms, ideal))
+    if rank == 0:
+        print(f"{describe_link()}, gloo, 1 thread each; medians of {args.reps}; torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d')}\n")
+        print("| collective | time (ms) | its bytes at the link rate (ms) | ratio |")
+        print("|---|---:|---:|---:|")
+        for name, ms, ideal in rows:
+            ratio = f"{ms / ideal:.2f}x" if ideal else "-"
+            print(f"| {name} | {ms:.1f} | {'-' if ideal is None else f'{ideal:.1f}'} | {ratio} |")
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[8, 16])
+    parser.add_argument("--reps", type=int, default=10)
+    add_link_argument(parser)
+    parser.set_defaults(world_size=2)
+    launch(_worker, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
