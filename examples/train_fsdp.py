@@ -23,15 +23,14 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
 import os
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn, report_rank_guard, synchronize  # noqa: E402
+from train_ddp import TinyTransformer, example_parser, launch  # noqa: E402
+from train_fsdp2 import train_side_by_side  # noqa: E402
 
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
@@ -59,34 +58,7 @@ def run(rank: int, world_size: int, steps: int, tolerance: float, device: torch.
     mesh = init_device_mesh(device.type, (world_size,))
     models = {"data_parallel + bf16_compress_hook": build_native(mesh, device),
               "FSDP2 reduce_dtype=bf16": build_fsdp2(mesh, device)}
-    opts = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, (model, _) in models.items()}
-    final = {}
-    for step in range(steps):
-        tokens, targets = batch(rank, step, device=device)
-        line = f"step {step:3d}"
-        for name, (_, run_model) in models.items():
-            synchronize(device)
-            t0 = time.perf_counter()
-            loss = loss_fn(run_model, tokens, targets)
-            loss.backward()
-            opts[name].step()
-            opts[name].zero_grad()
-            synchronize(device)
-            elapsed = time.perf_counter() - t0
-            mean = loss.detach().clone()
-            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-            final[name] = mean.item()
-            line += f"  {name}: loss {final[name]:.4f} ({elapsed * 1e3:7.1f} ms)"
-        if rank == 0:
-            print(line, flush=True)
-    ours, ref = final.values()
-    rel = abs(ours - ref) / abs(ref)
-    ok = rel <= tolerance
-    if rank == 0:
-        print(f"final loss: data_parallel {ours:.4f}  FSDP2 mixed precision {ref:.4f}  relative difference "
-              f"{rel:.2e} ({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}, {world_size} ranks)", flush=True)
-        report_rank_guard()
-    return ok
+    return train_side_by_side(rank, world_size, models, "data_parallel", steps, tolerance, device)
 
 
 def _run_args(rank: int, world_size: int, args) -> bool:

@@ -52,15 +52,24 @@ def build(mesh, with_hook: bool, device: torch.device) -> torch.nn.Module:
 def run(rank: int, world_size: int, steps: int, tolerance: float, device: torch.device) -> bool:
     mesh = init_device_mesh(device.type, (world_size,))
     models = {"bf16_compress_hook": build(mesh, True, device), "FSDP2 reduce_dtype=bf16": build(mesh, False, device)}
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
+    return train_side_by_side(rank, world_size, {name: (m, m) for name, m in models.items()}, "hook",
+                              steps, tolerance, device)
+
+
+def train_side_by_side(rank: int, world_size: int, models: dict, ours: str, steps: int, tolerance: float,
+                       device: torch.device) -> bool:
+    """Train ``models`` (name -> (module holding the parameters, module to call); ours first, then
+    FSDP2 with mixed precision) on the same batches with AdamW; rank 0 prints both losses every
+    step and the final relative difference. True when it is within ``tolerance``."""
+    opts = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, (model, _) in models.items()}
     final = {}
     for step in range(steps):
         tokens, targets = batch(rank, step, device=device)
         line = f"step {step:3d}"
-        for name, model in models.items():
+        for name, (_, run_model) in models.items():
             synchronize(device)
             t0 = time.perf_counter()
-            loss = loss_fn(model, tokens, targets)
+            loss = loss_fn(run_model, tokens, targets)
             loss.backward()
             opts[name].step()
             opts[name].zero_grad()
@@ -72,11 +81,11 @@ def run(rank: int, world_size: int, steps: int, tolerance: float, device: torch.
             line += f"  {name}: loss {final[name]:.4f} ({elapsed * 1e3:7.1f} ms)"
         if rank == 0:
             print(line, flush=True)
-    ours, ref = final.values()
-    rel = abs(ours - ref) / abs(ref)
+    value, ref = final.values()
+    rel = abs(value - ref) / abs(ref)
     ok = rel <= tolerance
     if rank == 0:
-        print(f"final loss: hook {ours:.4f}  FSDP2 mixed precision {ref:.4f}  relative difference {rel:.2e} "
+        print(f"final loss: {ours} {value:.4f}  FSDP2 mixed precision {ref:.4f}  relative difference {rel:.2e} "
               f"({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}, {world_size} ranks)", flush=True)
         report_rank_guard()
     return ok

@@ -46,13 +46,13 @@ def _key(chain: Chain) -> tuple[Any, ...]:
     return (block_of(c), c.args[1:], chain.wire_dtype, val(c).device)
 
 
-def _sink_to_outputs(graph: Graph, chain: Chain) -> Optional[bool]:
-    """Move everything downstream of ``chain``'s result (the copy into the gradient's buffer, the
-    cast back, the slice to the local rows) to just before the graph's output, so that the
-    bucket's wait can go after the block's last gradient. Whether a node moved; None if a
+def _sink_to_outputs(graph: Graph, bucket: list[Chain]) -> Optional[bool]:
+    """Move everything downstream of the ``bucket``'s results (the copy into the gradient's
+    buffer, the cast back, the slice to the local rows) to just before the graph's output, so that
+    the bucket's wait can go after the block's last gradient. Whether a node moved; None if a
     downstream node has side effects (nothing moves)."""
     output = graph.output_node()
-    downstream, frontier = set(), [chain.end]
+    downstream, frontier = set(), [chain.end for chain in bucket]
     while frontier:
         for user in frontier.pop().users:
             if user is output or user in downstream:
@@ -87,11 +87,10 @@ def bucket_block_reduce_scatters(graph: Graph) -> bool:
         groups.setdefault(_key(chain), []).append(chain)
     changed = False
     for bucket in groups.values():
-        for chain in bucket if len(bucket) > 1 else []:
-            sunk = _sink_to_outputs(graph, chain)
-            if sunk is None:
-                record(PASS, "skipped: a use of the result has side effects", chain.collective)
-            changed |= bool(sunk)
+        sunk = _sink_to_outputs(graph, bucket) if len(bucket) > 1 else False
+        if sunk is None:
+            record(PASS, "skipped: a use of a result has side effects", bucket[0].collective)
+        changed |= bool(sunk)
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved: set[Node] = set()
     for bucket in groups.values():

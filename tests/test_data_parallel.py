@@ -19,6 +19,7 @@ import compiled_hooks as ch
 from compiled_hooks.fsdp import ALREADY, ROOT_ONLY, data_parallel, get_comm_hook, register_comm_hook
 from passes.testing import fake_process_group, gathered_bytes_alive, partitioned_graphs
 from tests.ranks import run_ranks
+from tests.test_fsdp import _raises
 
 VOCAB, DIM, HIDDEN = 10, 8, 13  # rows 10 and 13: shards of uneven size on 2 and 4 ranks
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
@@ -137,14 +138,6 @@ def test_matches_fsdp2(world_size, mode, configs, compiled):
 
 
 # --- comm hooks -------------------------------------------------------------------------------
-
-
-def _raises(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        return type(e), str(e)
-    return None, "no exception"
 
 
 def hooks_worker(rank, world_size, mode):

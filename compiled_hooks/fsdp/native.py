@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 from ..hook_kind import hook_kind
 from ..hooks import allreduce_hook, reduce_scatter_hook
 from ..state import DefaultState, LowPrecisionState
+from .fsdp2 import ALREADY, ROOT_ONLY
 from .gather import Layout, Reduction, gather
 
 __all__ = ["data_parallel", "DataParallelState", "MODES"]
@@ -45,10 +46,8 @@ _CLASSES: dict[tuple[type, frozenset, bool], type] = {}
 class DataParallelState:
     """What ``data_parallel`` attaches to the root as ``module._data_parallel``."""
 
-    def __init__(self, mode: str, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, reshard: bool,
-                 blocks: dict[str, nn.Module]):
+    def __init__(self, mode: str, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, reshard: bool):
         self.mode, self.mesh, self.mp_policy, self.reshard = mode, mesh, mp_policy, reshard
-        self.blocks = blocks
         self.shard_group = None if mode == "replicate" else mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mode != "fully_shard" else None
         hook_group = self.replicate_group if mode == "replicate" else self.shard_group
@@ -190,7 +189,7 @@ def data_parallel(module: nn.Module, mesh: DeviceMesh, *, mode: str = "fully_sha
             if b not in paths or b is module:
                 raise ValueError(f"data_parallel: block {type(b).__name__} is not a submodule of the module")
             block_map[paths[b]] = b
-    dp = DataParallelState(mode, mesh, mp_policy, reshard_after_forward, block_map)
+    dp = DataParallelState(mode, mesh, mp_policy, reshard_after_forward)
     placements = {"fully_shard": [Shard(0)], "replicate": [Replicate()],
                   "hybrid_shard": [Replicate(), Shard(0)]}[mode]
     shard_size = 1 if dp.shard_group is None else dist.get_world_size(dp.shard_group)
@@ -240,10 +239,6 @@ def data_parallel(module: nn.Module, mesh: DeviceMesh, *, mode: str = "fully_sha
 
 def is_data_parallel(module: nn.Module) -> bool:
     return hasattr(module, "_data_parallel_root")
-
-
-ROOT_ONLY = "register_comm_hook can only be called on a root instance."
-ALREADY = "A communication hook is already registered"
 
 
 def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..., Any]) -> None:
