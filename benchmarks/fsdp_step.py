@@ -51,7 +51,7 @@ from train_ddp import TinyTransformer, synchronize  # noqa: E402
 
 import passes  # noqa: E402
 from compiled_hooks.fsdp import data_parallel  # noqa: E402
-from launch import add_link_argument, describe_link, launch, link_bytes_per_s  # noqa: E402
+from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms  # noqa: E402
 from passes.testing import gathered_bytes_alive, partitioned_graphs  # noqa: E402
 import results  # noqa: E402
 
@@ -220,13 +220,7 @@ def replay_ms(calls: list[tuple[str, list[int], str, int]], world: int, reps: in
             else:  # c10d::_reduce_scatter_base_
                 dist.reduce_scatter_tensor(x.new_empty(x.numel() // world), x.reshape(-1))
 
-    times = []
-    for _ in range(reps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * 1e3
+    return median_ms(once, reps)
 
 
 PEERS_KEEP = ["SimpleFSDP-style + Inductor bucketing"]

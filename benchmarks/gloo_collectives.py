@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -24,17 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch import add_link_argument, describe_link, launch, link_bytes_per_s  # noqa: E402
-
-
-def timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * 1e3
+from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms  # noqa: E402
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> bool:
@@ -53,7 +42,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> bool:
             "dist.all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(torch.empty_like(full), part), 1),
         }
         for name, (fn, passes_over) in cases.items():
-            ms = timed(fn, args.reps)
+            ms = median_ms(fn, args.reps)
             ideal = passes_over * numel * 2 * (world - 1) / world / rate * 1e3 if rate else None
             rows.append((f"{name}, {mb:g} MB bf16", ms, ideal))
     if rank == 0:

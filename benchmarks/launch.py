@@ -21,9 +21,11 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Callable, Optional
 
 import torch
@@ -49,6 +51,18 @@ def link_bytes_per_s(link: Optional[str]) -> Optional[float]:
     if not match:
         return None
     return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)] / 8
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median wall time of ``fn()`` over ``reps`` runs, each after a barrier, the first run left
+    out (warm-up)."""
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
 
 
 def add_link_argument(parser: argparse.ArgumentParser) -> None:

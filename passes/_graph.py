@@ -1,4 +1,5 @@
-"""What the passes share: op sets, chain matching around a collective, group facts, bookkeeping.
+"""What the passes share: op sets, chain matching around a collective, group facts, the
+data_parallel block marks, bookkeeping.
 
 A *chain* is what a comm hook puts around one collective in the post-grad graph::
 
@@ -25,6 +26,7 @@ from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.fx import Graph, Node
 
+from compiled_hooks.fsdp.gather import BLOCK
 from compiled_hooks.ops import GROUP_RANK, POWERSGD_COUNT  # noqa: F401 - re-exported to the passes
 
 log = logging.getLogger("passes")
@@ -188,6 +190,24 @@ def match_chain(collective: Node) -> Optional[Chain]:
                 problem = problem or f"non-constant factor at {n.name}"
             factors.append(factor)
     return Chain(collective, wait, start, pre, post, tuple(factors), problem)
+
+
+def block_of(node: Node) -> Optional[str]:
+    """The ``data_parallel`` block a collective belongs to, if it is marked with one."""
+    return node.meta.get("custom", {}).get(BLOCK)
+
+
+def input_cone(collective: Node) -> list[Node]:
+    """The nodes that feed only ``collective`` (through single-user pure call_functions), which
+    can move with it; unordered."""
+    cone, frontier = [], list(collective.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if node.op != "call_function" or len(node.users) != 1 or node.is_impure():
+            continue
+        cone.append(node)
+        frontier.extend(node.all_input_nodes)
+    return cone
 
 
 def check_graph(pass_name: str, graph: Any) -> None:

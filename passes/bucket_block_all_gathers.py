@@ -31,33 +31,13 @@ padded shards, which are equal on every rank. Idempotent: a block holds one all-
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any
 
 from torch.fx import Graph, Node
 
-from compiled_hooks.fsdp.gather import BLOCK
-
-from ._graph import ALL_GATHER, WAIT, aten, check_graph, is_op, new_node, record, val
+from ._graph import ALL_GATHER, WAIT, aten, block_of, check_graph, input_cone, is_op, new_node, record, val
 
 PASS = "bucket_block_all_gathers"
-
-
-def block_of(node: Node) -> Optional[str]:
-    """The ``data_parallel`` block a collective belongs to, if it is marked with one."""
-    return node.meta.get("custom", {}).get(BLOCK)
-
-
-def input_cone(collective: Node) -> list[Node]:
-    """The nodes that feed only ``collective`` (through single-user pure call_functions), which
-    can move with it; unordered."""
-    cone, frontier = [], list(collective.all_input_nodes)
-    while frontier:
-        node = frontier.pop()
-        if node.op != "call_function" or len(node.users) != 1 or node.is_impure():
-            continue
-        cone.append(node)
-        frontier.extend(node.all_input_nodes)
-    return cone
 
 
 def _key(ag: Node) -> tuple[Any, ...]:

@@ -35,8 +35,7 @@ from typing import Any, Optional
 from torch.fx import Graph, Node
 
 from ._bucket import merge_chains
-from ._graph import REDUCE_SCATTER, Chain, chains, check_graph, record, val
-from .bucket_block_all_gathers import block_of
+from ._graph import REDUCE_SCATTER, Chain, block_of, chains, check_graph, record, val
 
 PASS = "bucket_block_reduce_scatters"
 

@@ -57,8 +57,7 @@ from typing import Any, Optional
 from torch.fx import Graph, Node
 
 from ._bucket import merge_chains
-from ._graph import Chain, cast_dtype, chains, check_graph, is_collective, record, val
-from .bucket_block_all_gathers import block_of
+from ._graph import Chain, block_of, cast_dtype, chains, check_graph, is_collective, record, val
 
 PASS = "fuse_collective_casts"
 

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, WAIT, check_graph, is_op, record
-from .bucket_block_all_gathers import block_of, input_cone
+from ._graph import ALL_GATHER, WAIT, block_of, check_graph, input_cone, is_op, record
 
 PASS = "prefetch_block_all_gathers"
 

@@ -37,8 +37,7 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, WAIT, check_graph, is_chain_op, is_collective, is_op, record
-from .bucket_block_all_gathers import block_of
+from ._graph import ALL_GATHER, WAIT, block_of, check_graph, is_chain_op, is_collective, is_op, record
 
 PASS = "schedule_collectives"
 

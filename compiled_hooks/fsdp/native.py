@@ -58,9 +58,9 @@ class DataParallelState:
             self.reduction.replica_hook, self.reduction.replica_state = allreduce_hook, DefaultState(self.replicate_group)
         self.comm_hook: Optional[Callable[..., Any]] = None
         self.comm_hook_state: Any = None
-        self.active = False  # inside the root's forward: parameter reads gather
-        # Per running forward, the shared parameters gathered so far (gathered once per forward):
-        # a dict made and dropped inside the root's forward, so Dynamo keeps no tensor of it.
+        # Per running root forward (empty outside one, where reads give the DTensor), the shared
+        # parameters gathered so far (gathered once per forward): a dict made and dropped inside
+        # the root's forward, so Dynamo keeps no tensor of it.
         self.gathered: list[dict[str, torch.Tensor]] = []
         self.started = False  # a forward ran: the (compiled) reduction is fixed
 
@@ -68,7 +68,7 @@ class DataParallelState:
 def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
     param = module._parameters[name]
     dp = module._data_parallel_root
-    if not dp.active:
+    if not dp.gathered:
         return param
     layout = module._data_parallel_layouts[name]
     if layout.name not in module._data_parallel_shared:
@@ -82,13 +82,12 @@ def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
 def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The root's forward: parameter reads gather while it runs (see :func:`_read_parameter`)."""
     dp = self._data_parallel
-    dp.active = dp.started = True
+    dp.started = True
     dp.gathered.append({})
     try:
         output = super(type(self), self).forward(*args, **kwargs)
     finally:
         dp.gathered.pop()
-        dp.active = False
     dtype = dp.mp_policy.output_dtype
     if dtype is None:
         return output
