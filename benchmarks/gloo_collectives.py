@@ -4,8 +4,9 @@
 
 For tensors of 8 and 16 MB of bf16 (the full size: an all-gather's output, every other
 collective's input): all_reduce, the functional reduce_scatter_tensor, all_gather_into_tensor and
-all_to_all_single as traced graphs issue them, and ``dist.all_gather_into_tensor`` /
-``dist.reduce_scatter_tensor`` as FSDP2 does. Medians of ``--reps`` back-to-back runs, each after a
+all_to_all_single as traced graphs issue them, the all_to_all also in pieces of at most
+``ALL_TO_ALL_CHUNK_BYTES`` per destination, all in flight at once (as the passes' gloo rewrites
+send it), and ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` as FSDP2 does. Medians of ``--reps`` back-to-back runs, each after a
 barrier. The ideal is each rank sending ``(N - 1) / N`` of the full size at the link's rate (twice
 that for a ring all_reduce). The passes' gloo rules (``all_gather_as_all_to_all``,
 ``reduce_scatter_as_all_to_all``, ``shard_weight_update``'s backends) rest on this table.
@@ -25,6 +26,16 @@ import torch.distributed._functional_collectives as fcol
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms  # noqa: E402
 
+from passes._graph import ALL_TO_ALL_CHUNK_BYTES, chunk_bounds  # noqa: E402
+
+
+def _all_to_all_in_pieces(full: torch.Tensor, world: int, group) -> None:
+    rows = full.view(world, -1)
+    pieces = [rows[:, lo:hi].contiguous() for lo, hi in chunk_bounds(rows.shape[1], full.element_size(),
+                                                                       ALL_TO_ALL_CHUNK_BYTES)]
+    for handle in [fcol.all_to_all_single(p, None, None, group) for p in pieces]:
+        fcol.wait_tensor(handle)
+
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> bool:
     group = dist.group.WORLD
@@ -37,6 +48,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> bool:
             "all_reduce": (lambda: dist.all_reduce(full), 2),
             "reduce_scatter_tensor (functional)": (lambda: fcol.wait_tensor(fcol.reduce_scatter_tensor(full, "sum", 0, group)), 1),
             "all_to_all_single (functional)": (lambda: fcol.wait_tensor(fcol.all_to_all_single(full, None, None, group)), 1),
+            f"all_to_all_single (functional), pieces of {ALL_TO_ALL_CHUNK_BYTES >> 10} KiB per destination": (
+                lambda: _all_to_all_in_pieces(full, world, group), 1),
             "all_gather_into_tensor (functional)": (lambda: fcol.wait_tensor(fcol.all_gather_tensor(part, 0, group)), 1),
             "dist.reduce_scatter_tensor": (lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full), 1),
             "dist.all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(torch.empty_like(full), part), 1),

@@ -56,6 +56,11 @@ SCALE_OPS = MUL_OPS + DIV_OPS
 # inside the cast's kernel. "fake" is the test backend (no communication; it stands for NCCL in
 # traced graphs).
 AVG_BACKENDS = frozenset({"nccl", "fake"})
+# The most bytes per destination one all_to_all the gloo rewrites send (all_to_all_weight_update,
+# all_gather_as_all_to_all, reduce_scatter_as_all_to_all): gloo moves one large all_to_all at
+# 1.4-2.3x its bytes' time on a bandwidth-bound link and pieces of 256-512 KiB, several in
+# flight, at 1.0-1.05x (docs/benchmarks.md, "Collective costs on gloo").
+ALL_TO_ALL_CHUNK_BYTES = 512 << 10
 
 
 def record(pass_name: str, event: str, node: Optional[Node] = None) -> None:
@@ -283,6 +288,21 @@ def reapply(graph: Graph, value: Node, ops: list[Node]) -> Node:
         if not is_op(op, VIEW_OPS):
             value = new_node(graph, op.target, (value, *op.args[1:]), dict(op.kwargs))
     return value
+
+
+def check_chunk_bytes(pass_name: str, chunk_bytes: int) -> None:
+    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"{pass_name}: all_to_all_chunk_bytes must be a positive int, got {chunk_bytes!r}")
+
+
+def chunk_bounds(count: int, item_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges that split ``count`` items of ``item_bytes`` each into equal pieces
+    of at most ``chunk_bytes`` (at least one item each; the last piece may be shorter)."""
+    if count <= 0:
+        return [(0, count)]
+    pieces = -(-count // max(1, chunk_bytes // max(1, item_bytes)))
+    size = -(-count // pieces)
+    return [(lo, min(lo + size, count)) for lo in range(0, count, size)]
 
 
 def flat_value(like: torch.Tensor, numel: int) -> torch.Tensor:

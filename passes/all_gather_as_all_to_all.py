@@ -21,26 +21,61 @@ which treat all_to_all as a gradient collective) and rewrites each::
 
 Row block j of the input goes to rank j and block j of the output comes from rank j, so the
 output is the all_gather's, bit for bit, with the same bytes on the wire; the cost is one local
-copy of ``N * x`` per collective. Groups whose backend is not in ``all_gather_backends``
-(default gloo only: NCCL's all_gather is its own implementation) are left alone and counted.
+copy of ``N * x`` per collective. An input of more than ``all_to_all_chunk_bytes`` goes out in
+several all_to_alls of at most that many bytes per destination, all issued where the all_gather
+was and all waited for where its wait was (gloo moves one large all_to_all at up to twice its
+bytes' time on a bandwidth-bound link, pieces at the link's rate: ``ALL_TO_ALL_CHUNK_BYTES``);
+the pieces' rank-major outputs are joined back into the all_gather's::
+
+    ag = all_gather_into_tensor(x, N, G)     ->    a_k = all_to_all_single(cat([x[lo_k:hi_k]] * N), [c_k] * N, [c_k] * N, G)
+    w = wait_tensor(ag)                            w = view(cat([view(wait_tensor(a_k), [N, c_k, ...]) for each k], 1), [N * d, ...])
+
+Groups whose backend is not in ``all_gather_backends`` (default gloo only: NCCL's all_gather is
+its own implementation) are left alone and counted.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Collection
 
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, ALL_TO_ALL, aten, check_graph, group_info, is_op, new_node, record, val
+from ._graph import (ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, WAIT, aten, check_chunk_bytes, check_graph,
+                     chunk_bounds, group_info, is_op, new_node, record, val)
 
 PASS = "all_gather_as_all_to_all"
 BACKENDS = frozenset({"gloo"})
 
 
-def all_gather_as_all_to_all(graph: Graph, all_gather_backends: Collection[str] = BACKENDS) -> bool:
+def _in_pieces(graph: Graph, ag: Node, pieces: list[tuple[int, int]]) -> Node:
+    """The chunked rewrite of ``ag`` (whose only user is its wait); returns the joined value."""
+    x, size, group = ag.args
+    (wait,) = ag.users
+    rest = list(val(x).shape[1:])
+    with graph.inserting_before(ag):
+        sent = []
+        for lo, hi in pieces:
+            piece = new_node(graph, aten.slice.Tensor, (x, 0, lo, hi))
+            copies = new_node(graph, aten.cat.default, ([piece] * size,))
+            sent.append(new_node(graph, ALL_TO_ALL, (copies, [hi - lo] * size, [hi - lo] * size, group)))
+    with graph.inserting_before(wait):
+        parts = [new_node(graph, aten.view.default, (new_node(graph, WAIT, (a,)), [size, hi - lo, *rest]))
+                 for a, (lo, hi) in zip(sent, pieces)]
+        joined = new_node(graph, aten.cat.default, (parts, 1))
+        out = new_node(graph, aten.view.default, (joined, list(val(wait).shape)))
+    wait.replace_all_uses_with(out)
+    graph.erase_node(wait)
+    return sent[0]
+
+
+def all_gather_as_all_to_all(graph: Graph, all_gather_backends: Collection[str] = BACKENDS,
+                             all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
     """Rewrite all_gathers on groups whose backend is in ``all_gather_backends`` to all_to_alls
-    of ``N`` copies of the input (see the module docstring); True if anything changed."""
+    of ``N`` copies of the input, in pieces of at most ``all_to_all_chunk_bytes`` per
+    destination (see the module docstring); True if anything changed."""
     check_graph(PASS, graph)
+    check_chunk_bytes(PASS, all_to_all_chunk_bytes)
     changed = False
     for ag in [n for n in graph.nodes if is_op(n, (ALL_GATHER,))]:
         x, size, group = ag.args
@@ -48,11 +83,18 @@ def all_gather_as_all_to_all(graph: Graph, all_gather_backends: Collection[str] 
         if info is None or info.backend not in all_gather_backends:
             record(PASS, f"skipped: backend {info.backend if info else 'unknown'}", ag)
             continue
-        splits = [val(x).shape[0]] * size
-        with graph.inserting_before(ag):
-            copies = new_node(graph, aten.cat.default, ([x] * size,))
-            a2a = new_node(graph, ALL_TO_ALL, (copies, splits, splits, group))
-        ag.replace_all_uses_with(a2a)
+        value = val(x)
+        pieces = chunk_bounds(value.shape[0], math.prod(value.shape[1:]) * value.element_size(), all_to_all_chunk_bytes)
+        single_wait = len(ag.users) == 1 and is_op(next(iter(ag.users)), (WAIT,))
+        if len(pieces) > 1 and single_wait:
+            a2a = _in_pieces(graph, ag, pieces)
+            record(PASS, f"all_gather -> {len(pieces)} all_to_alls", a2a)
+        else:
+            splits = [value.shape[0]] * size
+            with graph.inserting_before(ag):
+                copies = new_node(graph, aten.cat.default, ([x] * size,))
+                a2a = new_node(graph, ALL_TO_ALL, (copies, splits, splits, group))
+            ag.replace_all_uses_with(a2a)
         graph.erase_node(ag)
         record(PASS, "all_gather -> all_to_all", a2a)
         changed = True

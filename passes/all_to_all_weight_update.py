@@ -9,9 +9,9 @@ reduce_scatter is an all_reduce in disguise, no cheaper. This pass makes the sam
 of gloo's all_to_all, which sends each rank only its row, and sums the N received rows
 locally; and it issues both exchanges in chunks of at most ``all_to_all_chunk_bytes`` per
 destination, which gloo moves at the link's rate where one large message does not. Every
-piece is one more collective to issue, which costs where the wire is free; the default, 2 MiB,
-is the size measured best on a bandwidth-bound link (docs/benchmarks.md). Two independent
-rewrites, each exact on its own:
+piece is one more collective to issue, which costs where the wire is free; the default is
+``ALL_TO_ALL_CHUNK_BYTES``, shared with the other gloo rewrites (docs/benchmarks.md). Two
+independent rewrites, each exact on its own:
 
 1. *own row of an all_reduce* (sum or avg; matched as ``shard_weight_update`` matches it)::
 
@@ -54,21 +54,13 @@ from typing import Collection
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import (ALL_GATHER, ALL_TO_ALL, VIEW_OPS, WAIT, aten, check_graph, flat_value, is_op, new_node, reapply,
-                     record, val)
+from ._graph import (ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, VIEW_OPS, WAIT, aten, check_chunk_bytes,
+                     check_graph, chunk_bounds, flat_value, is_op, new_node, reapply, record, val)
 from .fuse_cat_prologue import cat_prologue_problem
 from .shard_weight_update import weight_update_matches
 
 PASS = "all_to_all_weight_update"
 BACKENDS = frozenset({"gloo"})
-CHUNK_BYTES = 2 << 20  # per destination: see the module docstring
-
-
-def _chunks(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    size = max(1, chunk_bytes // itemsize)
-    count = -(-numel // size)
-    size = -(-numel // count)  # equal pieces, the last one shorter
-    return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
 
 
 def _packed_rows(graph: Graph, chain, n: int, c: int, lo: int, hi: int) -> Node:
@@ -95,7 +87,7 @@ def _packed_rows(graph: Graph, chain, n: int, c: int, lo: int, hi: int) -> Node:
 def _rewrite_own_row(graph: Graph, index: Node, chain, n: int, chunk_bytes: int) -> int:
     x = chain.collective.args[0]
     c = val(x).numel() // n
-    pieces = _chunks(c, val(x).element_size(), chunk_bytes)
+    pieces = chunk_bounds(c, val(x).element_size(), chunk_bytes)
     packed = is_op(chain.start, (aten.cat.default,)) and cat_prologue_problem(chain.start, chain.pre) is None
     with graph.inserting_before(chain.collective):
         rows = None if packed else new_node(graph, aten.view.default, (x, [n, c]))
@@ -177,7 +169,7 @@ def _read_chunks(graph: Graph, full: Node, parts: list[Node], pieces: list[tuple
 def _rewrite_owner_broadcasts(graph: Graph, cat: Node, broadcasts: list[Node], chunk_bytes: int) -> int:
     y, _, group = broadcasts[0].args
     n, value = len(broadcasts), val(y)
-    pieces = _chunks(value.numel(), value.element_size(), chunk_bytes) if value.dim() == 1 else [(0, 0)]
+    pieces = chunk_bounds(value.numel(), value.element_size(), chunk_bytes) if value.dim() == 1 else [(0, 0)]
     with graph.inserting_before(broadcasts[0]):
         gathers = [new_node(graph, ALL_GATHER, (y if len(pieces) == 1 else
                                                 new_node(graph, aten.slice.Tensor, (y, 0, lo, hi)), n, group))
@@ -201,13 +193,12 @@ def _rewrite_owner_broadcasts(graph: Graph, cat: Node, broadcasts: list[Node], c
 
 
 def all_to_all_weight_update(graph: Graph, all_to_all_backends: Collection[str] = BACKENDS,
-                             all_to_all_chunk_bytes: int = CHUNK_BYTES) -> bool:
+                             all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
     """Rewrite own-row all_reduces to chunked all_to_all + sum and owner broadcasts to chunked
     all_gathers (see the module docstring) on groups whose backend is in
     ``all_to_all_backends``; True if anything changed."""
     check_graph(PASS, graph)
-    if all_to_all_chunk_bytes <= 0:
-        raise ValueError(f"{PASS}: all_to_all_chunk_bytes must be positive, got {all_to_all_chunk_bytes}")
+    check_chunk_bytes(PASS, all_to_all_chunk_bytes)
     changed = False
     for node, chain, broadcasts, n in weight_update_matches(graph, PASS, all_to_all_backends, {}):
         if chain is not None:

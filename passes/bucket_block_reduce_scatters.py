@@ -45,27 +45,33 @@ def _key(chain: Chain) -> tuple[Any, ...]:
     return (block_of(c), c.args[1:], chain.wire_dtype, val(c).device)
 
 
-def _sink_to_outputs(graph: Graph, bucket: list[Chain]) -> Optional[bool]:
-    """Move everything downstream of the ``bucket``'s results (the copy into the gradient's
-    buffer, the cast back, the slice to the local rows) to just before the graph's output, so that
-    the bucket's wait can go after the block's last gradient. Whether a node moved; None if a
-    downstream node has side effects (nothing moves)."""
-    output = graph.output_node()
+def _downstream(bucket: list[Chain]) -> Optional[set[Node]]:
+    """Everything downstream of the ``bucket``'s results short of the graph's output (the copy
+    into the gradient's buffer, the cast back, the slice to the local rows); None if a node there
+    has side effects."""
     downstream, frontier = set(), [chain.end for chain in bucket]
     while frontier:
         for user in frontier.pop().users:
-            if user is output or user in downstream:
+            if user.op == "output" or user in downstream:
                 continue
             if user.op != "call_function" or user.is_impure():
                 return None
             downstream.add(user)
             frontier.append(user)
+    return downstream
+
+
+def _sink_to_outputs(graph: Graph, downstream: set[Node]) -> bool:
+    """Move ``downstream`` (closed under users, pure) to just before the graph's output, in graph
+    order, so that every bucket's wait can go after its block's last gradient; whether a node
+    moved (not when they already end the graph)."""
+    output = graph.output_node()
     moving = [n for n in graph.nodes if n in downstream]
-    tail, node = [], output.prev
+    tail, node = 0, output.prev
     while node in downstream:
-        tail.append(node)
+        tail += 1
         node = node.prev
-    if len(tail) == len(moving):  # already at the end
+    if tail == len(moving):
         return False
     for node in moving:
         output.prepend(node)
@@ -84,12 +90,14 @@ def bucket_block_reduce_scatters(graph: Graph) -> bool:
             record(PASS, f"skipped: {chain.problem or 'group passed as a graph input'}", chain.collective)
             continue
         groups.setdefault(_key(chain), []).append(chain)
-    changed = False
+    sinking: set[Node] = set()  # every block's, a block of one member's too, moved together
     for bucket in groups.values():
-        sunk = _sink_to_outputs(graph, bucket) if len(bucket) > 1 else False
-        if sunk is None:
+        downstream = _downstream(bucket)
+        if downstream is None:
             record(PASS, "skipped: a use of a result has side effects", bucket[0].collective)
-        changed |= bool(sunk)
+        else:
+            sinking |= downstream
+    changed = _sink_to_outputs(graph, sinking)
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved: set[Node] = set()
     for bucket in groups.values():

@@ -20,25 +20,55 @@ cost is a receive buffer of the input's size instead of the shard's, and a local
 whose backend is not in ``reduce_scatter_backends`` (default gloo only) and reduce ops other than
 sum and avg are left alone and counted. Runs last, after the scheduling passes: the wait stays
 where they put it, and the sum goes right after it.
+
+An input of more than ``all_to_all_chunk_bytes`` per destination goes out in several
+all_to_alls of at most that many (as ``all_gather_as_all_to_all`` sends its pieces): the
+columns ``lo:hi`` of every rank's row block, copied out together, and each piece summed right
+after its wait::
+
+    a_k = all_to_all_single(clone(view(x, [N, d, ...])[:, lo_k:hi_k]), [c_k] * N, [c_k] * N, G)
+    s_k = sum(view(wait_tensor(a_k), [N, c_k, ...]), [0], dtype=f32)        # for each k
+    w' = convert_element_type(div(cat([s_0, s_1, ...]), N), x.dtype)
 """
 
 from __future__ import annotations
 
+import math
 from typing import Collection
 
 import torch
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
-from ._graph import ALL_TO_ALL, REDUCE_SCATTER, WAIT, aten, check_graph, group_info, is_op, new_node, prims, record, val
+from ._graph import (ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, REDUCE_SCATTER, WAIT, aten, check_chunk_bytes, check_graph,
+                     chunk_bounds, group_info, is_op, new_node, prims, record, val)
 
 PASS = "reduce_scatter_as_all_to_all"
 BACKENDS = frozenset({"gloo"})
 
 
-def reduce_scatter_as_all_to_all(graph: Graph, reduce_scatter_backends: Collection[str] = BACKENDS) -> bool:
-    """Rewrite reduce-scatters on groups whose backend is in ``reduce_scatter_backends`` into an
-    all_to_all and a local sum (see the module docstring); True if anything changed."""
+def _sent(graph: Graph, x: Node, size: int, group, pieces: list[tuple[int, int]]) -> list[Node]:
+    """The all_to_alls of ``x``'s row blocks, whole or by the columns ``pieces``."""
+    if len(pieces) == 1:
+        split = [pieces[0][1]] * size
+        return [new_node(graph, ALL_TO_ALL, (x, split, split, group))]
+    rest = list(val(x).shape[1:])
+    rows = new_node(graph, aten.view.default, (x, [size, pieces[-1][1], *rest]))
+    sent = []
+    for lo, hi in pieces:
+        piece = new_node(graph, aten.slice.Tensor, (rows, 1, lo, hi))
+        piece = new_node(graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+        piece = new_node(graph, aten.view.default, (piece, [size * (hi - lo), *rest]))
+        sent.append(new_node(graph, ALL_TO_ALL, (piece, [hi - lo] * size, [hi - lo] * size, group)))
+    return sent
+
+
+def reduce_scatter_as_all_to_all(graph: Graph, reduce_scatter_backends: Collection[str] = BACKENDS,
+                                 all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
+    """Rewrite reduce-scatters on groups whose backend is in ``reduce_scatter_backends`` into
+    all_to_alls of at most ``all_to_all_chunk_bytes`` per destination and a local sum (see the
+    module docstring); True if anything changed."""
     check_graph(PASS, graph)
+    check_chunk_bytes(PASS, all_to_all_chunk_bytes)
     changed = False
     for rs in [n for n in graph.nodes if is_op(n, (REDUCE_SCATTER,))]:
         x, op, size, group = rs.args
@@ -53,25 +83,32 @@ def reduce_scatter_as_all_to_all(graph: Graph, reduce_scatter_backends: Collecti
             record(PASS, "skipped: not a single-wait reduce_scatter", rs)
             continue
         (wait,) = rs.users
-        shape = list(val(x).shape)
-        splits = [shape[0] // size] * size
-        dtype = val(x).dtype
+        value = val(x)
+        shape, dtype = list(value.shape), value.dtype
+        d = shape[0] // size
+        pieces = chunk_bounds(d, math.prod(shape[1:]) * value.element_size(), all_to_all_chunk_bytes)
+        if not value.is_contiguous():
+            pieces = [(0, d)]
         acc = torch.float32 if dtype.is_floating_point and dtype.itemsize < 4 else dtype
         with graph.inserting_before(rs):
-            a2a = new_node(graph, ALL_TO_ALL, (x, splits, splits, group))
+            sent = _sent(graph, x, size, group, pieces)
         users = list(wait.users)
-        wait.replace_input_with(rs, a2a)
-        wait.meta["val"] = val(a2a)
-        with graph.inserting_before(wait.next):
-            pieces = new_node(graph, aten.view.default, (wait, [size, splits[0], *shape[1:]]))
-            total = new_node(graph, aten.sum.dim_IntList, (pieces, [0]), {"dtype": acc})
+        with graph.inserting_before(wait):
+            sums = [new_node(graph, aten.sum.dim_IntList,
+                             (new_node(graph, aten.view.default, (new_node(graph, WAIT, (a,)), [size, hi - lo, *shape[1:]])),
+                              [0]), {"dtype": acc})
+                    for a, (lo, hi) in zip(sent, pieces)]
+            total = sums[0] if len(sums) == 1 else new_node(graph, aten.cat.default, (sums,))
             if op == "avg":
                 total = new_node(graph, aten.div.Tensor, (total, size))
             if acc != dtype:
                 total = new_node(graph, prims.convert_element_type.default, (total, dtype))
         for user in users:
             user.replace_input_with(wait, total)
+        graph.erase_node(wait)
         graph.erase_node(rs)
-        record(PASS, "reduce_scatter -> all_to_all + sum", a2a)
+        record(PASS, "reduce_scatter -> all_to_all + sum", sent[0])
+        if len(sent) > 1:
+            record(PASS, f"reduce_scatter -> {len(sent)} all_to_alls", sent[0])
         changed = True
     return changed

@@ -1,6 +1,8 @@
-"""bucket_block_all_gathers, bucket_block_reduce_scatters, prefetch_block_all_gathers: snapshots,
-the rewritten graphs' values (simulated collectives), negative cases, idempotence (fake process
-group); and the three on data_parallel's own partitioned graphs."""
+"""bucket_block_all_gathers, bucket_block_reduce_scatters, prefetch_block_all_gathers and the gloo
+rewrites of their collectives (reduce_scatter_as_all_to_all, all_gather_as_all_to_all in pieces):
+snapshots, the rewritten graphs' values (simulated collectives, and real gloo ranks for the
+pieces), negative cases, idempotence (fake process group); and the block passes on
+data_parallel's own partitioned graphs."""
 
 import pytest
 import torch
@@ -8,12 +10,13 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single
 
 from compiled_hooks.fsdp.gather import BLOCK
-from passes import (bucket_block_all_gathers, bucket_block_reduce_scatters, prefetch_block_all_gathers,
-                    reduce_scatter_as_all_to_all, schedule_collectives)
-from passes._graph import ALL_GATHER, REDUCE_SCATTER
+from passes import (all_gather_as_all_to_all, bucket_block_all_gathers, bucket_block_reduce_scatters,
+                    prefetch_block_all_gathers, reduce_scatter_as_all_to_all, schedule_collectives)
+from passes._graph import ALL_GATHER, ALL_TO_ALL as passes_ALL_TO_ALL, REDUCE_SCATTER
 from passes.testing import gathered_bytes_alive, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
+from tests.ranks import run_ranks
 
 
 def mark(gm, blocks):
@@ -136,7 +139,6 @@ view_2: bf16[4] = aten.view(convert_element_type_4, [-1])
 reduce_scatter_tensor_2: bf16[2] = c10d.reduce_scatter_tensor(view_2, 'sum', 2, group(size=2))
 wait_tensor_2: bf16[2] = c10d.wait_tensor(reduce_scatter_tensor_2)
 convert_element_type_5: f32[2] = prims.convert_element_type(wait_tensor_2, f32)
-add_2: f32[2] = aten.add(convert_element_type_5, 1)
 bucket_wait: bf16[9] = c10d.wait_tensor(bucket_reduce_scatter_tensor)
 bucket_pieces: (bf16[6], bf16[3]) = aten.split_with_sizes(bucket_wait, [6, 3])
 getitem: bf16[6] = getitem(bucket_pieces, 0)
@@ -145,6 +147,7 @@ getitem_1: bf16[3] = getitem(bucket_pieces, 1)
 convert_element_type_3: f32[3] = prims.convert_element_type(getitem_1, f32)
 add: f32[6] = aten.add(convert_element_type_1, 1)
 add_1: f32[3] = aten.add(convert_element_type_3, 1)
+add_2: f32[2] = aten.add(convert_element_type_5, 1)
 return [add, add_1, add_2]""")
         self.assertTrue(check_rewrite("bucket_block_reduce_scatters", before, gm.graph))
 
@@ -156,6 +159,25 @@ return [add, add_1, add_2]""")
         _ = trace(lambda: None, world_size=2)
         gm = mark(trace(fn, torch.randn(4), torch.randn(2), torch.randn(()), world_size=2), ["0", "0"])
         self.assertUntouched(gm, bucket_block_reduce_scatters, "non-constant factor")
+
+    def test_block_of_one_member_is_waited_after_the_next_blocks_gradient(self):
+        """A block with one reduce-scatter (the root's own parameter, say) whose result is used
+        right away: the use moves to the outputs as a bucket's would, so schedule_collectives
+        waits for it after the next block's gradient, not before (which would hold back every
+        later collective in Inductor's schedule)."""
+        def fn(g1, g2):
+            g = dist.group.WORLD
+            first = reduce_scatter_single(torch.sin(g1), "sum", 0, g) + 1
+            second = reduce_scatter_single(torch.sin(g2), "sum", 0, g)
+            return first, second
+
+        _ = trace(lambda: None, world_size=2)
+        gm = mark(trace(fn, torch.randn(4), torch.randn(4), world_size=2), ["root", "0"])
+        self.assertRewrites(gm, bucket_block_reduce_scatters)
+        schedule_collectives(gm.graph)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first, second = [n for n in gm.graph.nodes if n.target is REDUCE_SCATTER]
+        self.assertLess(order[second], order[next(iter(first.users))], graph_str(gm))
 
 
 def chain_fn(a, b, c):
@@ -256,8 +278,8 @@ class TestReduceScatterAsAllToAll(PassTestCase):
 x_1: f32[4, 3] = input
 convert_element_type: bf16[4, 3] = prims.convert_element_type(x_1, bf16)
 all_to_all_single_default: bf16[4, 3] = c10d.all_to_all_single(convert_element_type, [2, 2], [2, 2], group(size=2))
-wait_tensor: bf16[4, 3] = c10d.wait_tensor(all_to_all_single_default)
-view_default: bf16[2, 2, 3] = aten.view(wait_tensor, [2, 2, 3])
+wait_tensor_default: bf16[4, 3] = c10d.wait_tensor(all_to_all_single_default)
+view_default: bf16[2, 2, 3] = aten.view(wait_tensor_default, [2, 2, 3])
 sum_dim_int_list: f32[2, 3] = aten.sum.dim_IntList(view_default, [0], dtype=f32)
 div_tensor: f32[2, 3] = aten.div(sum_dim_int_list, 2)
 convert_element_type_default: bf16[2, 3] = prims.convert_element_type(div_tensor, bf16)
@@ -270,3 +292,100 @@ return add""")
         self.assertUntouched(self.graph(), reduce_scatter_as_all_to_all, "backend fake")
         self.assertUntouched(self.graph("max"), reduce_scatter_as_all_to_all, "reduce op max",
                              reduce_scatter_backends={"fake"})
+
+    def test_in_pieces_each_summed_after_its_wait(self):
+        """Two rows of 3 bf16 per destination, at most 6 bytes a piece: one all_to_all per row
+        of every rank's block, each summed in fp32 right after its wait, the sums joined."""
+        gm = self.graph()
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, reduce_scatter_as_all_to_all, reduce_scatter_backends={"fake"}, all_to_all_chunk_bytes=6)
+        self.assertExpectedInline(graph_str(gm), """\
+x_1: f32[4, 3] = input
+convert_element_type: bf16[4, 3] = prims.convert_element_type(x_1, bf16)
+view_default: bf16[2, 2, 3] = aten.view(convert_element_type, [2, 2, 3])
+slice_tensor: bf16[2, 1, 3] = aten.slice(view_default, 1, 0, 1)
+clone_default: bf16[2, 1, 3] = aten.clone(slice_tensor, memory_format=torch.contiguous_format)
+view_default_1: bf16[2, 3] = aten.view(clone_default, [2, 3])
+all_to_all_single_default: bf16[2, 3] = c10d.all_to_all_single(view_default_1, [1, 1], [1, 1], group(size=2))
+slice_tensor_1: bf16[2, 1, 3] = aten.slice(view_default, 1, 1, 2)
+clone_default_1: bf16[2, 1, 3] = aten.clone(slice_tensor_1, memory_format=torch.contiguous_format)
+view_default_2: bf16[2, 3] = aten.view(clone_default_1, [2, 3])
+all_to_all_single_default_1: bf16[2, 3] = c10d.all_to_all_single(view_default_2, [1, 1], [1, 1], group(size=2))
+wait_tensor_default: bf16[2, 3] = c10d.wait_tensor(all_to_all_single_default)
+view_default_3: bf16[2, 1, 3] = aten.view(wait_tensor_default, [2, 1, 3])
+sum_dim_int_list: f32[1, 3] = aten.sum.dim_IntList(view_default_3, [0], dtype=f32)
+wait_tensor_default_1: bf16[2, 3] = c10d.wait_tensor(all_to_all_single_default_1)
+view_default_4: bf16[2, 1, 3] = aten.view(wait_tensor_default_1, [2, 1, 3])
+sum_dim_int_list_1: f32[1, 3] = aten.sum.dim_IntList(view_default_4, [0], dtype=f32)
+cat_default: f32[2, 3] = aten.cat([sum_dim_int_list, sum_dim_int_list_1])
+div_tensor: f32[2, 3] = aten.div(cat_default, 2)
+convert_element_type_default: bf16[2, 3] = prims.convert_element_type(div_tensor, bf16)
+convert_element_type_1: f32[2, 3] = prims.convert_element_type(convert_element_type_default, f32)
+add: f32[2, 3] = aten.add(convert_element_type_1, 1)
+return add""")
+        self.assertTrue(check_rewrite("reduce_scatter_as_all_to_all", before, gm.graph))
+
+
+class TestAllGatherAsAllToAllInPieces(PassTestCase):
+    def test_pieces_joined_rank_major(self):
+        """Three rows of 2 floats, at most 8 bytes a piece: three all_to_alls of N copies of one
+        row each, waited for where the all_gather's wait was, joined back rank-major."""
+        _ = trace(lambda: None, world_size=2)
+        gm = trace(lambda x: all_gather_single(x, 0, dist.group.WORLD) * 2, torch.randn(3, 2), world_size=2)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, all_gather_as_all_to_all, all_gather_backends={"fake"}, all_to_all_chunk_bytes=8)
+        self.assertExpectedInline(graph_str(gm), """\
+x_1: f32[3, 2] = input
+slice_tensor: f32[1, 2] = aten.slice(x_1, 0, 0, 1)
+cat_default: f32[2, 2] = aten.cat([slice_tensor, slice_tensor])
+all_to_all_single_default: f32[2, 2] = c10d.all_to_all_single(cat_default, [1, 1], [1, 1], group(size=2))
+slice_tensor_1: f32[1, 2] = aten.slice(x_1, 0, 1, 2)
+cat_default_1: f32[2, 2] = aten.cat([slice_tensor_1, slice_tensor_1])
+all_to_all_single_default_1: f32[2, 2] = c10d.all_to_all_single(cat_default_1, [1, 1], [1, 1], group(size=2))
+slice_tensor_2: f32[1, 2] = aten.slice(x_1, 0, 2, 3)
+cat_default_2: f32[2, 2] = aten.cat([slice_tensor_2, slice_tensor_2])
+all_to_all_single_default_2: f32[2, 2] = c10d.all_to_all_single(cat_default_2, [1, 1], [1, 1], group(size=2))
+wait_tensor_default: f32[2, 2] = c10d.wait_tensor(all_to_all_single_default)
+view_default: f32[2, 1, 2] = aten.view(wait_tensor_default, [2, 1, 2])
+wait_tensor_default_1: f32[2, 2] = c10d.wait_tensor(all_to_all_single_default_1)
+view_default_1: f32[2, 1, 2] = aten.view(wait_tensor_default_1, [2, 1, 2])
+wait_tensor_default_2: f32[2, 2] = c10d.wait_tensor(all_to_all_single_default_2)
+view_default_2: f32[2, 1, 2] = aten.view(wait_tensor_default_2, [2, 1, 2])
+cat_default_3: f32[2, 3, 2] = aten.cat([view_default, view_default_1, view_default_2], 1)
+view_default_3: f32[6, 2] = aten.view(cat_default_3, [6, 2])
+mul: f32[6, 2] = aten.mul(view_default_3, 2)
+return mul""")
+        self.assertTrue(check_rewrite("all_gather_as_all_to_all", before, gm.graph))
+
+    def test_chunk_size_must_be_positive(self):
+        with self.assertRaisesRegex(ValueError, "all_gather_as_all_to_all: all_to_all_chunk_bytes must be a positive"):
+            all_gather_as_all_to_all(gather_graph().graph, all_to_all_chunk_bytes=0)
+
+
+def pieces_worker(rank, world_size):
+    """A bucket-sized all-gather and reduce-scatter on real gloo ranks, before and after the
+    rewrites in pieces (several all_to_alls in flight at once)."""
+    g = dist.group.WORLD
+
+    def fn(a, b):
+        gathered = all_gather_single(a.to(torch.bfloat16), 0, g)
+        reduced = reduce_scatter_single(b.to(torch.bfloat16), "sum", 0, g).float()
+        return gathered, reduced
+
+    gen = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(1000, 3, generator=gen), torch.randn(2000, 3, generator=gen)
+    gm = trace(fn, a, b, world_size=None)
+    expected = gm(a, b)
+    changed = [all_gather_as_all_to_all(gm.graph, all_to_all_chunk_bytes=1000),
+               reduce_scatter_as_all_to_all(gm.graph, all_to_all_chunk_bytes=1000)]
+    gm.recompile()
+    pieces = sum(n.target is passes_ALL_TO_ALL for n in gm.graph.nodes)
+    got = [gm(a, b) for _ in range(3)]
+    return changed, pieces, [all(torch.equal(x, y) for x, y in zip(expected, out)) for out in got]
+
+
+def test_pieces_on_gloo_equal_the_collectives_bitwise():
+    for changed, pieces, equal in run_ranks(pieces_worker, 2):
+        # 1000 rows of 6 bytes per destination, at most 166 rows a piece: 7 pieces each
+        assert changed == [True, True] and pieces == 14, (changed, pieces)
+        assert all(equal), equal

@@ -474,7 +474,7 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
 
     def test_chunk_size_must_be_positive(self):
-        with self.assertRaisesRegex(ValueError, "all_to_all_chunk_bytes must be positive"):
+        with self.assertRaisesRegex(ValueError, "all_to_all_chunk_bytes must be a positive int"):
             all_to_all_weight_update(traced_step(shapes=((3,),)).graph, all_to_all_chunk_bytes=0, **FAKE)
 
 
