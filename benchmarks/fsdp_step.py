@@ -25,7 +25,10 @@ partitioned forward and backward graphs of our configurations. Two references pe
 each rank sending ``(N - 1) / N`` of every collective's full size at the link's rate, or the compute
 alone if longer; and the same collectives issued back to back with nothing else, which on gloo
 take well over their bytes' time (its reduce-scatter runs at under half the link rate), so a step
-at 1.0x of them overlaps all of its compute.
+at 1.0x of them overlaps all of its compute. Last, one more reference row: the compute alone
+again while a second gloo group sends all_to_alls (in the passes' pieces) as fast as the link
+takes them, from a thread of each rank: what the compute costs when the wire is busy, which on
+a machine whose ranks share few cores is what overlapping communication makes it cost.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import contextlib
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -52,6 +56,7 @@ from train_ddp import TinyTransformer, synchronize  # noqa: E402
 import passes  # noqa: E402
 from compiled_hooks.fsdp import data_parallel  # noqa: E402
 from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms  # noqa: E402
+from passes._graph import ALL_TO_ALL_CHUNK_BYTES  # noqa: E402
 from passes.testing import gathered_bytes_alive, partitioned_graphs  # noqa: E402
 import results  # noqa: E402
 
@@ -223,14 +228,41 @@ def replay_ms(calls: list[tuple[str, list[int], str, int]], world: int, reps: in
     return median_ms(once, reps)
 
 
+def under_traffic_ms(step, traffic, world: int, seconds: float, rate: float | None) -> float:
+    """Median time of ``step()`` while a thread sends all_to_alls on the ``traffic`` group for
+    about ``seconds`` at ``rate`` (a fixed number of rounds, the same on every rank)."""
+    piece = torch.ones(world * ALL_TO_ALL_CHUNK_BYTES // 2, dtype=torch.bfloat16)  # one chunk per destination
+    per_round = 4 * (world - 1) * ALL_TO_ALL_CHUNK_BYTES
+    rounds = torch.tensor([max(20, int(seconds * (rate or 1e9) / per_round))])
+    dist.all_reduce(rounds, dist.ReduceOp.MAX)  # every rank sends as many
+    rounds = int(rounds)
+
+    def pump() -> None:
+        for _ in range(rounds):
+            for handle in [fcol.all_to_all_single(piece, None, None, traffic) for _ in range(4)]:
+                fcol.wait_tensor(handle)
+
+    dist.barrier()
+    thread = threading.Thread(target=pump)
+    thread.start()
+    times = []
+    while thread.is_alive():
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    thread.join()
+    return statistics.median(times[:-1] or times) * 1e3  # the last step may outlast the traffic
+
+
 PEERS_KEEP = ["SimpleFSDP-style + Inductor bucketing"]
 PEERS_RESHARD = ["FSDP2 eager", "FSDP2 compiled per block"]
 OURS = ["data_parallel keep", "data_parallel keep + passes", "data_parallel reshard",
         "data_parallel reshard + passes"]
 CONFIGS = PEERS_RESHARD + PEERS_KEEP + OURS + ["compute alone (compiled, unsharded)"]
+TRAFFIC_ROW = "compute alone, gloo traffic at the link rate alongside"
 
 
-def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: str | None) -> dict | None:
+def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: str | None, traffic) -> dict | None:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (world,))
     configs = [Config(n, model, i, mesh, param_dtype) for i, n in enumerate(CONFIGS)]
@@ -247,11 +279,12 @@ def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: 
             t0 = time.perf_counter()
             c.step()
             c.times.append(time.perf_counter() - t0)
+    rate = link_bytes_per_s(link)
+    busy = under_traffic_ms(configs[-1].step, traffic, world, steps * statistics.median(configs[-1].times), rate)
     if rank != 0:
         return None
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
     compute = median[CONFIGS[-1]]
-    rate = link_bytes_per_s(link)
     dtype = "fp32" if param_dtype is None else "bf16"
     title = f"{model}, param_dtype {dtype}, reduce bf16"
     print(f"\n### {title}\n")
@@ -268,6 +301,9 @@ def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: 
                          vs_bound=median[c.name] / bound, alone_ms=c.alone_ms,
                          vs_alone=median[c.name] / c.alone_ms if c.alone_ms else None, collectives=c.collectives, mb=c.mb,
                          peak_gathered_mb=c.peak_mb, bound_ms=bound, peer=peer))
+    rows.append(dict(config=TRAFFIC_ROW, median_ms=busy, vs_peer=busy / median["FSDP2 eager"], vs_bound=busy / compute,
+                     alone_ms=0.0, vs_alone=None, collectives=0, mb=0.0, peak_gathered_mb=None, bound_ms=compute,
+                     peer="FSDP2 eager"))
     for r in rows:
         peak = "-" if r["peak_gathered_mb"] is None else f"{r['peak_gathered_mb']:.1f}"
         alone = "-" if r["vs_alone"] is None else f"{r['vs_alone']:.2f}x ({r['alone_ms']:.0f} ms)"
@@ -285,7 +321,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
         print(f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per configuration, medians "
               f"on rank 0; torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
     dtypes = {"fp32": None, "bf16": torch.bfloat16}
-    tables = [run_model(rank, world_size, model, dtypes[d], args.steps, args.link)
+    traffic = dist.new_group(backend="gloo")  # for under_traffic_ms, on every rank
+    tables = [run_model(rank, world_size, model, dtypes[d], args.steps, args.link, traffic)
               for model in args.models for d in args.param_dtypes]
     if rank == 0:
         results.write(args, "fsdp_step", describe_link(), tables)

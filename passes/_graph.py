@@ -57,9 +57,9 @@ SCALE_OPS = MUL_OPS + DIV_OPS
 # traced graphs).
 AVG_BACKENDS = frozenset({"nccl", "fake"})
 # The most bytes per destination one all_to_all the gloo rewrites send (all_to_all_weight_update,
-# all_gather_as_all_to_all, reduce_scatter_as_all_to_all): gloo moves one large all_to_all at
-# 1.4-2.3x its bytes' time on a bandwidth-bound link and pieces of 256-512 KiB, several in
-# flight, at 1.0-1.05x (docs/benchmarks.md, "Collective costs on gloo").
+# all_gather_as_all_to_all, reduce_scatter_as_all_to_all): on a bandwidth-bound link gloo moves
+# one all_to_all of 4-8 MB per destination at about twice its bytes' time, the same bytes in
+# pieces of this size, all in flight, at 1.1-1.2x (docs/benchmarks.md, "Collective costs on gloo").
 ALL_TO_ALL_CHUNK_BYTES = 512 << 10
 
 
