@@ -35,7 +35,7 @@ from typing import Any, Optional
 from torch.fx import Graph, Node
 
 from ._bucket import merge_chains
-from ._graph import REDUCE_SCATTER, Chain, block_of, chains, check_graph, record, val
+from ._graph import REDUCE_SCATTER, WAIT, Chain, block_of, chains, check_graph, is_chain_op, is_op, record, val
 
 PASS = "bucket_block_reduce_scatters"
 
@@ -64,18 +64,23 @@ def _downstream(bucket: list[Chain]) -> Optional[set[Node]]:
 def _sink_to_outputs(graph: Graph, downstream: set[Node]) -> bool:
     """Move ``downstream`` (closed under users, pure) to just before the graph's output, in graph
     order, so that every bucket's wait can go after its block's last gradient; whether a node
-    moved (not when they already end the graph)."""
+    moved (not when nothing but waits and their post ops, which ``schedule_collectives`` puts
+    right before their first use, stands among them at the end of the graph)."""
     output = graph.output_node()
     moving = [n for n in graph.nodes if n in downstream]
-    tail, node = 0, output.prev
-    while node in downstream:
-        tail += 1
-        node = node.prev
-    if tail == len(moving):
+    if not moving or all(n in downstream or is_op(n, (WAIT,)) or is_chain_op(n)
+                         for n in _after(moving[0], output)):
         return False
     for node in moving:
         output.prepend(node)
     return True
+
+
+def _after(first: Node, output: Node):
+    node = first
+    while node is not output:
+        yield node
+        node = node.next
 
 
 def bucket_block_reduce_scatters(graph: Graph) -> bool:
