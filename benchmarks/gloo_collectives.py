@@ -6,10 +6,11 @@ For tensors of 8 and 16 MB of bf16 (the full size: an all-gather's output, every
 collective's input): all_reduce, the functional reduce_scatter_tensor, all_gather_into_tensor and
 all_to_all_single as traced graphs issue them, the all_to_all also in pieces of at most
 ``ALL_TO_ALL_CHUNK_BYTES`` per destination, all in flight at once (as the passes' gloo rewrites
-send it), and ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` as FSDP2 does. Medians of ``--reps`` back-to-back runs, each after a
-barrier. The ideal is each rank sending ``(N - 1) / N`` of the full size at the link's rate (twice
-that for a ring all_reduce). The passes' gloo rules (``all_gather_as_all_to_all``,
-``reduce_scatter_as_all_to_all``, ``shard_weight_update``'s backends) rest on this table.
+send it), and ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` as FSDP2 does.
+Medians of ``--reps`` back-to-back runs, each after a barrier. The ideal is each rank sending
+``(N - 1) / N`` of the full size at the link's rate (twice that for a ring all_reduce). The
+passes' gloo rules (``all_gather_as_all_to_all``, ``reduce_scatter_as_all_to_all``, their
+pieces, ``shard_weight_update``'s backends) rest on this table.
 """
 
 from __future__ import annotations

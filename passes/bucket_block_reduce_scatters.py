@@ -66,21 +66,15 @@ def _sink_to_outputs(graph: Graph, downstream: set[Node]) -> bool:
     order, so that every bucket's wait can go after its block's last gradient; whether a node
     moved (not when nothing but waits and their post ops, which ``schedule_collectives`` puts
     right before their first use, stands among them at the end of the graph)."""
-    output = graph.output_node()
-    moving = [n for n in graph.nodes if n in downstream]
+    nodes = list(graph.nodes)
+    moving = [n for n in nodes if n in downstream]
     if not moving or all(n in downstream or is_op(n, (WAIT,)) or is_chain_op(n)
-                         for n in _after(moving[0], output)):
+                         for n in nodes[nodes.index(moving[0]):] if n.op != "output"):
         return False
+    output = graph.output_node()
     for node in moving:
         output.prepend(node)
     return True
-
-
-def _after(first: Node, output: Node):
-    node = first
-    while node is not output:
-        yield node
-        node = node.next
 
 
 def bucket_block_reduce_scatters(graph: Graph) -> bool:

@@ -218,10 +218,9 @@ def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool
     ``bucket_block_reduce_scatters``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
     ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
     ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``,
-    ``reduce_scatter_as_all_to_all`` (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes`` (the three gloo
-    rewrites'), ``all_gather_backends``,
-    ``avg_backends``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``,
-    ``prefetch_depth``, ``reduce_scatter_backends``;
+    ``reduce_scatter_as_all_to_all`` (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``
+    (the three gloo rewrites'), ``all_gather_backends``, ``avg_backends``, ``bucket_cap_mb``,
+    ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``, ``prefetch_depth``, ``reduce_scatter_backends``;
     ``shard_backends`` with ``shard_weight_update``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces
     it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
