@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from . import compat
 from .hook_kind import hook_kind
 
 __all__ = ["ddp_comm_hook", "compile_ddp", "compiled_autograd"]
@@ -122,7 +123,7 @@ def compile_ddp(
         with compiled_autograd():
             model(x).sum().backward()
     """
-    torch._dynamo.config.optimize_ddp = "python_reducer"
+    compat.set_python_reducer()
     ddp = DistributedDataParallel(module, **ddp_kwargs)
     if hook is not None:
         ddp.register_comm_hook(state, ddp_comm_hook(hook))
@@ -133,12 +134,12 @@ def compile_ddp(
 def compiled_autograd(**compile_kwargs: Any) -> Iterator[None]:
     """Run backward passes in this block under compiled autograd (``torch.compile`` of the
     autograd graph with ``compile_kwargs``, default Inductor, fullgraph)."""
-    if torch._dynamo.config.optimize_ddp != "python_reducer":
+    if not compat.python_reducer():
         raise RuntimeError(
             "compiled_autograd: set torch._dynamo.config.optimize_ddp = 'python_reducer' before "
             "building DistributedDataParallel (compile_ddp does both); with the C++ reducer DDP's "
             "hooks are not traced by compiled autograd."
         )
     kwargs = {"fullgraph": True, **compile_kwargs}
-    with torch._dynamo.compiled_autograd._enable(functools.partial(torch.compile, **kwargs)):
+    with compat.compiled_autograd_enabled(functools.partial(torch.compile, **kwargs)):
         yield

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
-from . import validation
+from . import compat, validation
 from .state import DefaultState, LowPrecisionState
 
 __all__ = ["allreduce_hook", "reduce_scatter_hook", "fp16_compress_hook", "bf16_compress_hook"]
@@ -73,7 +73,7 @@ def _all_reduce(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dt
 
 def _reduce_scatter(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dtype] = None) -> torch.Tensor:
     flat = _to_wire(state, grad, wire).reshape(-1)
-    t = fcol.reduce_scatter_single(flat, "sum", 0, state.process_group)
+    t = compat.reduce_scatter_single(flat, "sum", 0, state.process_group)
     return _from_wire(state, t)
 
 

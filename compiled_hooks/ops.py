@@ -20,7 +20,7 @@ rank guard's protocol), the op calls into it.
 from __future__ import annotations
 
 import torch
-import torch.distributed.distributed_c10d as c10d
+from . import compat
 
 __all__ = ["group_rank", "GROUP_RANK", "POWERSGD_COUNT", "CHECK_RANKS"]
 
@@ -28,7 +28,7 @@ __all__ = ["group_rank", "GROUP_RANK", "POWERSGD_COUNT", "CHECK_RANKS"]
 @torch.library.custom_op("compiled_hooks::group_rank", mutates_args=())
 def group_rank(group_name: str, device: torch.device) -> torch.Tensor:
     """This rank's index in the process group named ``group_name``, as ``int64[1]`` on ``device``."""
-    group = c10d._resolve_process_group(group_name)
+    group = compat.resolve_process_group(group_name)
     return torch.full((1,), group.rank(), dtype=torch.int64, device=device)  # a fill, no host-to-device copy
 
 

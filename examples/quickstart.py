@@ -31,6 +31,7 @@ def train(rank: int, world_size: int, port: int | None = None) -> None:
     passes.install()  # Inductor runs the graph passes from now on
 
     data = torch.Generator().manual_seed(rank)  # each rank its own batches
+    losses = []
     for step in range(30):
         x = torch.randn(64, 32, generator=data).to(device)
         y = x[:, :8].sum(1, keepdim=True)  # a target the net can learn
@@ -39,8 +40,12 @@ def train(rank: int, world_size: int, port: int | None = None) -> None:
             loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())
         if rank == 0 and (step == 0 or step % 10 == 9):
-            print(f"step {step + 1}: loss {loss.item():.4f}", flush=True)
+            print(f"step {step + 1}: loss {losses[-1]:.4f}", flush=True)
+    if rank == 0:
+        ok = losses[-1] < losses[0] / 4
+        print(f"final loss: {losses[-1]:.4f} ({'OK' if ok else 'FAIL'}: under a quarter of the first)")
     dist.destroy_process_group()
 
 

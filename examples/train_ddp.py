@@ -240,13 +240,22 @@ def launch(run_fn: Callable[..., bool], args: argparse.Namespace) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_in_group, args=(args.world_size, port, run_fn, args), nprocs=args.world_size)
+    world_size = args.world_size or default_world_size(args)
+    mp.spawn(_in_group, args=(world_size, port, run_fn, args), nprocs=world_size)
+
+
+def default_world_size(args: argparse.Namespace) -> int:
+    """2 ranks, or one per GPU on fewer than 2 GPUs with NCCL (which needs a GPU per rank)."""
+    if args.device == "cuda" and (args.backend or "nccl") == "nccl":
+        return max(1, min(2, torch.cuda.device_count()))
+    return 2
 
 
 def example_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--world-size", type=int,
+                        help="ranks to spawn (ignored under torchrun); default 2, or 1 on one GPU with NCCL")
     parser.add_argument("--tolerance", type=float, default=0.05, help="max relative final-loss difference")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device(),
                         help="default: cuda when a GPU is visible (one per rank), else cpu")

@@ -21,11 +21,12 @@ from fractions import Fraction
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed.distributed_c10d as c10d
+import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.fx import Graph, Node
 
+from compiled_hooks import compat
 from compiled_hooks.fsdp.gather import BLOCK
 from compiled_hooks.ops import GROUP_RANK, POWERSGD_COUNT  # noqa: F401 - re-exported to the passes
 
@@ -253,8 +254,8 @@ def group_info(group_name: Any) -> Optional[GroupInfo]:
     if not isinstance(group_name, str):
         return None
     try:
-        pg = c10d._resolve_process_group(group_name)
-        return GroupInfo(pg.size(), str(c10d.get_backend(pg)).lower())
+        pg = compat.resolve_process_group(group_name)
+        return GroupInfo(pg.size(), str(dist.get_backend(pg)).lower())
     except Exception:  # noqa: BLE001 - an unknown group is simply not ours to rewrite
         return None
 

@@ -21,14 +21,14 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
+from compiled_hooks import compat
 from compiled_hooks._env import env_flag
+from compiled_hooks.compat import CustomGraphPass, inductor_config
 
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
@@ -89,11 +89,6 @@ def summary(before: dict[str, int], after: dict[str, int], nodes: int, us: int) 
     events = [f"{k} (x{after[k] - before.get(k, 0)})" for k in after
               if not k.endswith(": us") and after[k] != before.get(k, 0)]
     return f"passes: {nodes} nodes, {us / 1e3:.1f} ms: " + ("; ".join(events) or "nothing to do")
-
-
-def _custom_passes(setting: Any) -> list:
-    """The passes an Inductor custom-pass setting holds: None, one pass, or a list of them."""
-    return [] if setting is None else list(setting) if isinstance(setting, (list, tuple)) else [setting]
 
 
 def _us(since: float) -> int:
@@ -246,7 +241,8 @@ class install:
     ``install(check_ranks=True)`` with the rank-divergence guard (:mod:`passes.rank_guard`).
 
     Custom post-grad passes already set in ``torch._inductor.config.post_grad_custom_post_pass``
-    stay: the pipeline runs after them (the setting becomes a list), and on exit only the
+    stay: the pipeline runs after them (the setting holds both, see
+    :func:`compiled_hooks.compat.post_pass_setting`), and on exit only the
     pipeline is taken out, so the setting is what it was. A pipeline already installed (an outer
     ``install``) is replaced for the duration, not run twice. A custom pass that is not a
     ``CustomGraphPass`` with a ``uuid()`` makes Inductor bypass its FX graph cache, as always.
@@ -277,22 +273,22 @@ class install:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
-        self.previous = inductor_config.post_grad_custom_post_pass
-        others = [p for p in _custom_passes(self.previous) if not isinstance(p, Pipeline)]
-        self.installed: Any = [*others, pipeline] if others else pipeline
-        inductor_config.post_grad_custom_post_pass = self.installed
+        self.previous = compat.custom_post_pass()
+        others = [p for p in compat.post_passes(self.previous) if not isinstance(p, Pipeline)]
+        self.installed = compat.post_pass_setting([*others, pipeline])
+        compat.set_custom_post_pass(self.installed)
         self.scheduling = None
         if not inductor_config.reorder_for_compute_comm_overlap:
             self.scheduling = inductor_config.patch(KEEP_SCHEDULE)
             self.scheduling.__enter__()
 
     def restore(self) -> None:
-        current = inductor_config.post_grad_custom_post_pass
+        current = compat.custom_post_pass()
         if current is self.installed:
-            inductor_config.post_grad_custom_post_pass = self.previous
+            compat.set_custom_post_pass(self.previous)
         else:  # changed while installed: take out only this pipeline
-            rest = [p for p in _custom_passes(current) if p is not self.pipeline]
-            inductor_config.post_grad_custom_post_pass = rest[0] if len(rest) == 1 else (rest or None)
+            rest = [p for p in compat.post_passes(current) if p is not self.pipeline]
+            compat.set_custom_post_pass(compat.post_pass_setting(rest))
         if self.scheduling is not None:
             self.scheduling.__exit__(None, None, None)
             self.scheduling = None

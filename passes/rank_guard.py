@@ -48,6 +48,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._dynamo.utils import counters
 
+from compiled_hooks import compat
+
 __all__ = ["RankDivergenceError", "check", "unraised_verdict"]
 
 log = logging.getLogger("passes.rank_guard")
@@ -117,11 +119,11 @@ def check(record: str) -> None:
     """What ``torch.ops.compiled_hooks.check_ranks(record)`` does (:mod:`compiled_hooks.ops`):
     check ``record`` (JSON, see :mod:`passes.insert_rank_guard`) against the other ranks."""
     global _world
-    if c10d._world.default_pg is not _world:  # a new default group: group names start over
+    if compat.default_group() is not _world:  # a new default group: group names start over
         with _lock:
             _groups.clear()
             _plans.clear()
-            _world = c10d._world.default_pg
+            _world = compat.default_group()
     plan = _plans.get(record)
     if plan is None:
         plan = _check(record)
@@ -141,7 +143,7 @@ def _group(name: str) -> Optional[_Group]:
         if name in _groups:
             return _groups[name]
     try:
-        pg = c10d._resolve_process_group(name)
+        pg = compat.resolve_process_group(name)
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(f"rank guard: the compiled graph communicates on process group {name!r}, "
                            f"which this process does not know (destroyed?): {e}") from None
@@ -151,7 +153,7 @@ def _group(name: str) -> Optional[_Group]:
             timeout = pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
         except Exception:  # noqa: BLE001 - a backend without options: the default collective timeout
             timeout = c10d.default_pg_timeout.total_seconds()
-        group = _Group(name, pg, dist.get_process_group_ranks(pg), dist.get_rank(), c10d._get_default_store(), timeout)
+        group = _Group(name, pg, dist.get_process_group_ranks(pg), dist.get_rank(), compat.default_store(), timeout)
     with _lock:
         return _groups.setdefault(name, group)
 
@@ -271,7 +273,7 @@ def _stop_watchdog() -> None:
 def _watch() -> None:
     dead: set = set()
     while not _stopping.wait(POLL_SECONDS):
-        if c10d._world.default_pg is not _world:
+        if compat.default_group() is not _world:
             return  # the default group the watched groups belong to is gone (destroyed or replaced)
         with _lock:
             groups = [g for g in _groups.values() if g is not None and g not in dead]

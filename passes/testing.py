@@ -29,11 +29,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functionalize
+
+from compiled_hooks import compat
 
 __all__ = ["trace", "graph_str", "fake_process_group", "partitioned_graphs", "gathered_bytes_alive"]
 
@@ -95,7 +96,7 @@ def _type_str(v: Any) -> str:
 
 def _group_str(name: str) -> str:
     try:
-        return f"group(size={c10d._get_group_size_by_name(name)})"
+        return f"group(size={compat.group_size_by_name(name)})"
     except Exception:  # noqa: BLE001 - not a group name after all
         return repr(name)
 

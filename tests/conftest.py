@@ -36,3 +36,9 @@ def _reset_dynamo_and_fake_group():
     torch._dynamo.reset()
     if dist.is_initialized() and dist.get_backend() == "fake":  # left by passes.testing.trace
         dist.destroy_process_group()
+
+
+def pytest_report_header(config):
+    from compiled_hooks import compat
+
+    return "compat: " + "; ".join(f"{k} -> {v}" for k, v in compat.resolved().items())

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 import compiled_hooks as ch
+from compiled_hooks import compat
 
 WORLD_SIZES = [1, 2, 3, 4, 6, 8, 16]
 KINDS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -131,7 +132,7 @@ def chain_case(rng: random.Random, ws: int) -> Case:
             if wire is not None:
                 y = y.to(wire)
             if rs:
-                r = fcol.reduce_scatter_single(y.view(-1), op, 0, dist.group.WORLD)
+                r = compat.reduce_scatter_single(y.view(-1), op, 0, dist.group.WORLD)
             else:
                 r = fcol.all_reduce(y, op, dist.group.WORLD)
             r = apply(r, post)
@@ -183,7 +184,7 @@ def data_parallel_case(rng: random.Random, ws: int) -> Case:
                 with annotate({BLOCK: str(b)}):
                     for _ in shapes:
                         shard = next(it)
-                        full = fcol.all_gather_single(shard if wire is None else shard.to(wire), 0, dist.group.WORLD)
+                        full = compat.all_gather_single(shard if wire is None else shard.to(wire), 0, dist.group.WORLD)
                         x = x + torch.sin(full.float()).sum()
                         grad = torch.empty_like(shard)
                         rs(state, torch.cos(full.float() * x), grad)

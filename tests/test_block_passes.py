@@ -7,7 +7,7 @@ data_parallel's own partitioned graphs."""
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single
+from compiled_hooks.compat import all_gather_single, reduce_scatter_single
 
 from compiled_hooks.fsdp.gather import BLOCK
 from passes import (all_gather_as_all_to_all, bucket_block_all_gathers, bucket_block_reduce_scatters,

@@ -84,3 +84,4 @@ def test_quick_start_runs_as_written():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)$", proc.stdout, flags=re.M)]
     assert len(losses) == 4 and losses[-1] < losses[0] / 4, proc.stdout
+    assert re.search(r"^final loss: [\d.]+ \(OK: ", proc.stdout, flags=re.M), proc.stdout

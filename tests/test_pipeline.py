@@ -7,6 +7,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 import passes
+from compiled_hooks import compat
 from passes import Pipeline, default_pipeline, fold_collective_scaling, fuse_collective_casts, install
 from passes.testing import fake_process_group
 from tests.graphs import hook_fn
@@ -45,6 +46,11 @@ def test_install_restores_previous_config():
     assert inductor_config.post_grad_custom_post_pass is None
 
 
+def installed():
+    """The custom post-grad passes Inductor runs, in order (a list on 2.13+, one pass on 2.11)."""
+    return compat.post_passes(inductor_config.post_grad_custom_post_pass)
+
+
 def test_install_runs_after_the_users_own_custom_pass_and_leaves_it_alone_on_exit():
     fake_process_group(8)
     seen = []
@@ -55,7 +61,7 @@ def test_install_runs_after_the_users_own_custom_pass_and_leaves_it_alone_on_exi
     inductor_config.post_grad_custom_post_pass = users_pass
     try:
         with install(Pipeline([fold_collective_scaling])) as pipeline:
-            assert inductor_config.post_grad_custom_post_pass == [users_pass, pipeline]
+            assert installed() == [users_pass, pipeline]
             counters["passes"].clear()
             torch.compile(hook_fn("bf16", sharded=False), fullgraph=True)(torch.randn(64))
         assert inductor_config.post_grad_custom_post_pass is users_pass  # back, alone
@@ -64,12 +70,12 @@ def test_install_runs_after_the_users_own_custom_pass_and_leaves_it_alone_on_exi
             dict(counters["passes"])  # and the pipeline ran too
         with install() as outer:
             with install() as inner:  # a pipeline replaces a pipeline, the user's pass stays
-                assert inductor_config.post_grad_custom_post_pass == [users_pass, inner]
-            assert inductor_config.post_grad_custom_post_pass == [users_pass, outer]
+                assert installed() == [users_pass, inner]
+            assert installed() == [users_pass, outer]
         assert inductor_config.post_grad_custom_post_pass is users_pass
         with install() as pipeline:  # changed while installed: only the pipeline comes out
-            inductor_config.post_grad_custom_post_pass = [users_pass, pipeline, print]
-        assert inductor_config.post_grad_custom_post_pass == [users_pass, print]
+            compat.set_custom_post_pass(compat.post_pass_setting([users_pass, pipeline, print]))
+        assert installed() == [users_pass, print]
         with pytest.raises(TypeError, match="expected a passes.Pipeline"):
             install(fold_collective_scaling)
     finally:

@@ -207,6 +207,10 @@ def _quality_worker(rank, world_size, steps):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
     from train_ddp import TinyTransformer, batch, loss_fn
 
+    # torch's hook synchronizes the tensors' device whenever CUDA is available, which fails for
+    # CPU tensors on a GPU machine; this rank's process runs on CPU only.
+    torch.cuda.is_available = lambda: False
+
     def run(state=None, hook=None):
         torch.manual_seed(0)
         net = TinyTransformer()

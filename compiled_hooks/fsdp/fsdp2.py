@@ -12,11 +12,10 @@ this package's hooks for the root module and every FSDP module below it:
 - replicated modules (``replicate``, FSDP1's NO_SHARD): the all-reduce hook ``hook(state, grad)``
   (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``) gets the module's flat
   gradient buffer and reduces it in place. FSDP2 has no public hook point that *replaces* its
-  all-reduce (``set_all_reduce_hook`` runs after it), so this goes through two FSDP2 internals
-  of torch 2.13, per parameter group: its ``mesh_info`` is replaced by a copy that is no longer
-  a ``DDPMeshInfo`` (FSDP2 then skips its own all-reduce) and the hook is installed as the
-  group's all-reduce hook. The mesh, the parameters' DTensor placements and the shared mesh
-  info object are left untouched.
+  all-reduce (``set_all_reduce_hook`` runs after it), so this goes through FSDP2 internals,
+  per parameter group (:func:`compiled_hooks.compat.fsdp_take_over_all_reduce`): FSDP2 skips
+  its own all-reduce and calls the hook instead. The mesh and the parameters' DTensor
+  placements are left untouched.
 - everywhere, ``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)``:
   FSDP2 itself neither divides nor averages, so the hook's pre/post division is the only one.
 
@@ -34,15 +33,13 @@ by itself (refused with ``ValueError``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo
 
+from .. import compat
 from ..state import DefaultState
 from ..hook_kind import hook_kind
 
@@ -63,12 +60,12 @@ class _HookRunner:
         self._run = torch.compile(hook, fullgraph=True) if compile else hook
 
     def run(self, *tensors: torch.Tensor) -> None:
-        if self.root._get_fsdp_state()._is_root is False:
+        if compat.fsdp_is_root(self.root) is False:
             raise AssertionError(ROOT_ONLY)
         self._run(self.state, *tensors)
 
 
-class HookReduceScatter(_HookRunner, ReduceScatter):
+class HookReduceScatter(_HookRunner, compat.FSDPReduceScatter):
     """FSDP2 reduce-scatter comm (``set_custom_reduce_scatter``) that runs
     ``hook(state, input, output)``."""
 
@@ -95,7 +92,7 @@ class HookAllReduce(_HookRunner):
         self.group = group
 
     def __call__(self, flat_grad: torch.Tensor) -> None:
-        if not self.group.all_reduce_grads:
+        if not compat.fsdp_all_reduce_grads(self.group):
             raise NotImplementedError(
                 "register_comm_hook: set_requires_all_reduce(False) on a replicated module is not supported "
                 "with a communication hook (the hook would reduce only the last micro-batch)."
@@ -107,52 +104,34 @@ def _fsdp_modules(module: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def _is_replicated(group: Any) -> bool:
-    return isinstance(group.mesh_info, DDPMeshInfo)
-
-
-def _is_sharded(group: Any) -> bool:
-    return isinstance(group.mesh_info, FSDPMeshInfo)
-
-
 def _check_group(group: Any, state: DefaultState, hook: Callable[..., Any]) -> None:
     kind = hook_kind(hook, "register_comm_hook")
     name = kind.name
-    if _is_replicated(group) and _is_sharded(group):
+    layout = compat.fsdp_group_layout(group)
+    if layout.shard_size and layout.replicate_size:
         raise NotImplementedError(
             "register_comm_hook: HSDP (a module both sharded and replicated) is not supported; "
             "use fully_shard over one mesh dimension or replicate."
         )
-    if _is_sharded(group):
-        kind_name, size, ok = "sharded", group.mesh_info.shard_mesh_size, kind.reduce_scatter
+    if layout.shard_size:
+        kind_name, size, ok = "sharded", layout.shard_size, kind.reduce_scatter
         need = "hook(state, grad, output) (a reduce-scatter hook)"
     else:
-        kind_name, size, ok = "replicated", group.mesh_info.replicate_mesh_size, kind.all_reduce
+        kind_name, size, ok = "replicated", layout.replicate_size, kind.all_reduce
         need = "hook(state, grad) (an all-reduce hook)"
     if not ok:
         raise TypeError(f"register_comm_hook: {name!r} cannot reduce a {kind_name} module: FSDP2 calls {need}")
-    reduce_dtype = group.mp_policy.reduce_dtype
-    if reduce_dtype is not None and reduce_dtype != getattr(state, "parameter_type", reduce_dtype):
-        raise ValueError(
-            f"register_comm_hook: the module's MixedPrecisionPolicy casts gradients to {reduce_dtype} "
-            "before the hook; a compression hook compresses by itself, so leave reduce_dtype unset."
-        )
+    for reduce_dtype in compat.fsdp_group_reduce_dtypes(group):
+        if reduce_dtype is not None and reduce_dtype != getattr(state, "parameter_type", reduce_dtype):
+            raise ValueError(
+                f"register_comm_hook: the module's MixedPrecisionPolicy casts gradients to {reduce_dtype} "
+                "before the hook; a compression hook compresses by itself, so leave reduce_dtype unset."
+            )
     if size != state.world_size:
         raise ValueError(
             f"register_comm_hook: the state's group has {state.world_size} ranks but the module is "
             f"{kind_name} over {size}."
         )
-
-
-def _take_over_all_reduce(group: Any, comm: HookAllReduce) -> None:
-    """Make FSDP2 skip its own all-reduce of this group and run ``comm`` instead (see the
-    module docstring). The replacement info is a plain ``DataParallelMeshInfo`` over the same
-    mesh; the original object, which other groups may share, is not modified."""
-    info = group.mesh_info
-    group.mesh_info = DataParallelMeshInfo(
-        **{f.name: getattr(info, f.name) for f in dataclasses.fields(DataParallelMeshInfo) if f.init}
-    )
-    group._all_reduce_hook = comm
 
 
 def get_comm_hook(module: torch.nn.Module) -> tuple[Optional[Callable[..., Any]], Any]:
@@ -170,18 +149,18 @@ def register_comm_hook(module: torch.nn.Module, state: DefaultState, hook: Calla
     if not isinstance(state, DefaultState):
         raise TypeError(f"register_comm_hook: state must be a DefaultState or LowPrecisionState, "
                         f"got {type(state).__name__}")
-    if module._get_fsdp_state()._is_root is False:
+    if compat.fsdp_is_root(module) is False:
         raise AssertionError(ROOT_ONLY)
     modules = _fsdp_modules(module)
     if any(get_comm_hook(m)[0] is not None for m in modules):
         raise AssertionError(ALREADY)
-    groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    groups = [g for m in modules for g in compat.fsdp_param_groups(m)]
     for group in groups:
         _check_group(group, state, hook)
     reduce_scatter = HookReduceScatter(state, hook, module, compile=compile)
     for group in groups:
-        if _is_replicated(group):
-            _take_over_all_reduce(group, HookAllReduce(group, state, hook, module, compile=compile))
+        if compat.fsdp_group_layout(group).replicate_size:
+            compat.fsdp_take_over_all_reduce(group, HookAllReduce(group, state, hook, module, compile=compile))
     for m in modules:
         m.set_custom_reduce_scatter(reduce_scatter)
         m.set_gradient_divide_factor(1.0)

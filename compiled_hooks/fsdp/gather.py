@@ -30,6 +30,7 @@ import torch.fx.traceback
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .. import compat
 from ..state import LowPrecisionState
 
 __all__ = ["Layout", "Reduction", "gather", "BLOCK"]
@@ -91,7 +92,7 @@ class _GatherReduce(torch.autograd.Function):
         x = shard if reduction.param_dtype is None else shard.to(reduction.param_dtype)
         if reduction.shard_group is None:
             return x.view_as(x) if x is shard else x
-        full = fcol.all_gather_single(_pad_rows(x, layout.rows), 0, reduction.shard_group)
+        full = compat.all_gather_single(_pad_rows(x, layout.rows), 0, reduction.shard_group)
         if not torch.compiler.is_compiling():
             # Eager: wait now (a slice of an AsyncCollectiveTensor does not), so that one
             # all-gather at a time is in flight: several corrupt the heap on gloo (see

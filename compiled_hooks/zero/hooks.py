@@ -16,6 +16,7 @@ import torch
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import compat
 from ..ddp import completed, reduce_buffer
 from ..hook_kind import hook_kind
 from .layout import plan_buckets
@@ -135,11 +136,11 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
                          f"({len(trained)} of them), got {len(zero.params)}")
     if ddp.process_group.size() != zero.world_size:
         raise ValueError(f"{name}: DDP's group has {ddp.process_group.size()} ranks, the ZeroOptimizer's {zero.world_size}")
-    if torch._dynamo.config.optimize_ddp == "python_reducer" and not ddp._use_python_reducer:
+    if compat.python_reducer() and not compat.ddp_uses_python_reducer(ddp):
         raise ValueError(f"{name}: this DDP was built before torch._dynamo.config.optimize_ddp = 'python_reducer' was "
                          "set, so compiled autograd cannot trace its hooks; build it with compile_ddp or after "
                          "setting the flag")
-    hook, on_buckets = _reducer(name, hook, ddp._use_python_reducer, shard_buckets)
+    hook, on_buckets = _reducer(name, hook, compat.ddp_uses_python_reducer(ddp), shard_buckets)
     reducing: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]] = []  # C++ reducer, in order
     config = getattr(ddp, "_bucket_config", None)
     core = ZeroStep(hook, zero, interleaved, bucket_bytes=ddp.bucket_bytes_cap,

@@ -1,0 +1,271 @@
+"""The torch internals this distribution reads, each read here and nowhere else.
+
+The packages support torch 2.11 to 2.15 (:data:`SUPPORTED`). They rely on names that torch
+does not promise to keep: functional collectives, FSDP2's parameter groups, Inductor's
+custom-pass hook, compiled autograd's entry point, c10d's group registry. Every such name is
+read in this module, so a release that moves one fails here, in one place, and the other
+modules import what they need from here (``tests/test_compat.py`` checks both: that every
+name resolves on the running torch, and that no other module reads the internals listed in
+:data:`OWNED`).
+
+Names are resolved by feature detection (does the attribute exist), never by comparing
+version strings. What differs across the supported range:
+
+=================================  ===============================================================
+functional all-gather and          ``all_gather_single`` / ``reduce_scatter_single`` from 2.13; before
+reduce-scatter                     that ``all_gather_tensor`` / ``reduce_scatter_tensor`` (the same
+                                   ops; 2.13 keeps them as aliases that warn when called eagerly)
+FSDP2 parameter groups of          ``FSDPState._fsdp_param_groups`` (a list) from 2.13;
+a module                           ``_fsdp_param_group`` (one group or None) in 2.11
+FSDP2 mixed-precision policy       ``FSDPParamGroup.mp_policy`` through 2.14; in 2.15 only per
+of a group                         parameter (``FSDPParam.mp_policy``), which every release has
+Inductor's custom post-grad pass   one pass or a list of them from 2.13; one pass in 2.11 (several
+                                   become one ``CustomGraphPass`` that runs them in order)
+=================================  ===============================================================
+
+A feature that a release lacks outright raises :class:`UnsupportedTorch` where it is used,
+naming the feature, the torch it needs and the torch running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch._inductor.config as inductor_config
+import torch._inductor.custom_graph_pass as _custom_graph_pass
+import torch.distributed as dist
+import torch.distributed._functional_collectives as _fcol
+import torch.distributed.distributed_c10d as _c10d
+from torch.distributed.fsdp._fully_shard import _fsdp_api, _fsdp_common, _fsdp_state
+
+__all__ = [
+    "SUPPORTED", "OWNED", "UnsupportedTorch", "resolved",
+    "all_gather_single", "reduce_scatter_single",
+    "resolve_process_group", "group_size_by_name", "default_group", "default_store",
+    "compiled_autograd_enabled", "python_reducer", "set_python_reducer", "ddp_uses_python_reducer",
+    "inductor_config", "CustomGraphPass", "custom_post_pass", "set_custom_post_pass", "post_passes",
+    "post_pass_setting",
+    "FSDPReduceScatter", "fsdp_is_root", "fsdp_param_groups", "fsdp_group_reduce_dtypes",
+    "fsdp_group_layout", "fsdp_all_reduce_grads", "fsdp_take_over_all_reduce",
+]
+
+SUPPORTED = ">=2.11,<2.16"  # keep equal to pyproject.toml's torch requirement (tests/test_docs.py)
+
+# The internals only this module reads (tests/test_compat.py scans the packages for them).
+# Not reduce_scatter_tensor: that is also the name of the functional op, which every release has.
+OWNED = (
+    "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
+    "_resolve_process_group", "_get_group_size_by_name", "_get_default_store", "_world",
+    "compiled_autograd", "optimize_ddp", "_use_python_reducer",
+    "post_grad_custom_post_pass", "custom_graph_pass", "CustomGraphPass",
+    "_fully_shard", "_get_fsdp_state", "_fsdp_param_groups", "_fsdp_param_group", "fsdp_params",
+    "mesh_info", "_all_reduce_hook", "all_reduce_grads", "_is_root",
+)
+
+
+class UnsupportedTorch(RuntimeError):
+    """A feature the running torch release does not have."""
+
+    def __init__(self, feature: str, needs: str):
+        super().__init__(f"{feature} needs torch {needs}; this is torch {torch.__version__} "
+                         f"(compiled-hooks supports torch{SUPPORTED})")
+
+
+def _first(owner: Any, *names: str) -> Optional[str]:
+    """The first of ``names`` that ``owner`` has, None if it has none."""
+    return next((name for name in names if hasattr(owner, name)), None)
+
+
+# Functional collectives ---------------------------------------------------------------------
+
+_ALL_GATHER = _first(_fcol, "all_gather_single", "all_gather_tensor")
+_REDUCE_SCATTER = _first(_fcol, "reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def _collective(name: Optional[str], feature: str) -> Callable[..., torch.Tensor]:
+    if name is None:
+        raise UnsupportedTorch(f"the functional {feature}", SUPPORTED)
+    return getattr(_fcol, name)
+
+
+def all_gather_single(t: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
+    """``_functional_collectives.all_gather_single``: the ranks' ``t`` joined along
+    ``gather_dim`` (rank-major), traced as ``_c10d_functional.all_gather_into_tensor`` and its
+    wait. ``t`` is made contiguous first (2.11's form refuses any other)."""
+    return _collective(_ALL_GATHER, "all_gather_single")(t.contiguous(), gather_dim, group)
+
+
+def reduce_scatter_single(t: torch.Tensor, reduce_op: str, scatter_dim: int, group: Any) -> torch.Tensor:
+    """``_functional_collectives.reduce_scatter_single``: this rank's block of the reduction
+    of the ranks' ``t`` along ``scatter_dim``, traced as
+    ``_c10d_functional.reduce_scatter_tensor`` and its wait."""
+    return _collective(_REDUCE_SCATTER, "reduce_scatter_single")(t, reduce_op, scatter_dim, group)
+
+
+# c10d's group registry ----------------------------------------------------------------------
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names (raises for an unknown name)."""
+    return _c10d._resolve_process_group(group_name)
+
+
+def group_size_by_name(group_name: str) -> int:
+    return _c10d._get_group_size_by_name(group_name)
+
+
+def default_group() -> Optional[dist.ProcessGroup]:
+    """The default process group, None before ``init_process_group`` (no error)."""
+    return _c10d._world.default_pg
+
+
+def default_store() -> dist.Store:
+    """The default group's store."""
+    return _c10d._get_default_store()
+
+
+# Compiled autograd and DDP's python reducer -------------------------------------------------
+
+_PYTHON_REDUCER = "python_reducer"
+
+
+def compiled_autograd_enabled(compiler_fn: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
+    """Backward passes inside the block run under compiled autograd, compiled with ``compiler_fn``."""
+    return torch._dynamo.compiled_autograd._enable(compiler_fn)
+
+
+def python_reducer() -> bool:
+    """Whether Dynamo compiles DDP with the python reducer (``optimize_ddp = "python_reducer"``)."""
+    return torch._dynamo.config.optimize_ddp == _PYTHON_REDUCER
+
+
+def set_python_reducer() -> None:
+    """Make DDP models built from now on use the python reducer, which compiled autograd traces."""
+    torch._dynamo.config.optimize_ddp = _PYTHON_REDUCER
+
+
+def ddp_uses_python_reducer(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+    return bool(ddp._use_python_reducer)
+
+
+# Inductor's custom post-grad pass -----------------------------------------------------------
+
+CustomGraphPass = _custom_graph_pass.CustomGraphPass
+_LISTS = hasattr(_custom_graph_pass, "get_custom_graph_passes")  # Inductor runs a list of passes
+
+
+class _InOrder(CustomGraphPass):
+    """Several custom passes as the one pass a release without lists takes. Its ``uuid()`` is
+    None, so Inductor bypasses its FX graph cache, unless every pass has a uuid of its own."""
+
+    def __init__(self, passes: list[Any]):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Optional[str]:
+        ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        return None if None in ids else hashlib.sha256(repr(ids).encode()).hexdigest()
+
+
+def custom_post_pass() -> Any:
+    """What Inductor runs after its own post-grad passes (see :func:`post_passes`)."""
+    return inductor_config.post_grad_custom_post_pass
+
+
+def set_custom_post_pass(value: Any) -> None:
+    inductor_config.post_grad_custom_post_pass = value
+
+
+def post_passes(setting: Any) -> list[Any]:
+    """The passes a custom-pass setting runs, in order: None, one pass, or several."""
+    if setting is None:
+        return []
+    if isinstance(setting, (list, tuple)):
+        return list(setting)
+    if isinstance(setting, _InOrder):
+        return list(setting.passes)
+    return [setting]
+
+
+def post_pass_setting(passes: list[Any]) -> Any:
+    """The custom-pass setting that runs ``passes`` in order (inverse of :func:`post_passes`)."""
+    if len(passes) <= 1:
+        return passes[0] if passes else None
+    return list(passes) if _LISTS else _InOrder(passes)
+
+
+# FSDP2 (fully_shard, replicate) -------------------------------------------------------------
+
+FSDPReduceScatter = _fsdp_api.ReduceScatter  # the base of a set_custom_reduce_scatter comm
+_GROUPS = "_fsdp_param_groups" if hasattr(_fsdp_state.FSDPState(), "_fsdp_param_groups") else "_fsdp_param_group"
+
+
+def fsdp_is_root(module: torch.nn.Module) -> Optional[bool]:
+    """Whether an FSDP2 module is the root; None until FSDP2 decides it (its lazy init)."""
+    return module._get_fsdp_state()._is_root
+
+
+def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
+    """The parameter groups of one FSDP2 module (empty when it manages no parameter)."""
+    groups = getattr(module._get_fsdp_state(), _GROUPS)
+    if _GROUPS == "_fsdp_param_groups":
+        return list(groups)
+    return [] if groups is None else [groups]
+
+
+def fsdp_group_reduce_dtypes(group: Any) -> set[Optional[torch.dtype]]:
+    """The ``reduce_dtype`` of the mixed-precision policies of a group's parameters."""
+    return {p.mp_policy.reduce_dtype for p in group.fsdp_params}
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPGroupLayout:
+    """How an FSDP2 parameter group is laid out over its mesh (size 0: not along that kind)."""
+    shard_size: int
+    replicate_size: int
+
+
+def fsdp_group_layout(group: Any) -> FSDPGroupLayout:
+    info = group.mesh_info
+    sharded = isinstance(info, _fsdp_common.FSDPMeshInfo)
+    replicated = isinstance(info, _fsdp_common.DDPMeshInfo)
+    return FSDPGroupLayout(info.shard_mesh_size if sharded else 0,
+                           info.replicate_mesh_size if replicated else 0)
+
+
+def fsdp_all_reduce_grads(group: Any) -> bool:
+    """False while ``set_requires_all_reduce(False)`` holds for the group."""
+    return bool(group.all_reduce_grads)
+
+
+def fsdp_take_over_all_reduce(group: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """Make FSDP2 skip its own all-reduce of a replicated group and call ``hook(flat_grad)``
+    instead. FSDP2 all-reduces a group whose mesh info is a ``DDPMeshInfo``: the group gets a
+    plain ``DataParallelMeshInfo`` over the same mesh in its place (the original object, which
+    other groups may share, is left alone), and ``hook`` as its all-reduce hook."""
+    info, base = group.mesh_info, _fsdp_common.DataParallelMeshInfo
+    group.mesh_info = base(**{f.name: getattr(info, f.name) for f in dataclasses.fields(base) if f.init})
+    group._all_reduce_hook = hook
+
+
+# What resolved ------------------------------------------------------------------------------
+
+def resolved() -> dict[str, str]:
+    """What each version-dependent name resolved to on the running torch."""
+    return {
+        "torch": torch.__version__,
+        "all_gather_single": f"torch.distributed._functional_collectives.{_ALL_GATHER}",
+        "reduce_scatter_single": f"torch.distributed._functional_collectives.{_REDUCE_SCATTER}",
+        "fsdp_param_groups": f"FSDPState.{_GROUPS}",
+        "fsdp_group_reduce_dtypes": "FSDPParam.mp_policy.reduce_dtype",
+        "compiled_autograd_enabled": "torch._dynamo.compiled_autograd._enable",
+        "custom_post_pass": ("torch._inductor.config.post_grad_custom_post_pass"
+                             + (" (a list)" if _LISTS else " (one pass)")),
+    }
+

@@ -1,0 +1,61 @@
+"""Reading Inductor's generated code (C++ kernels on CPU, Triton kernels on CUDA): which
+collectives a compiled graph issues, and what the kernels that write a collective's input do.
+
+In the wrapper's ``call()`` a bucketed collective reads one buffer that the kernels before it
+fill, through aliases of it where each writes one member::
+
+    buf27 = empty_strided_cpu((4224, ), (1, ), torch.bfloat16)
+    buf20 = reinterpret_tensor(buf27, (32, ), (1, ), 1024)  # alias
+    cpp_fused_1(buf0, buf3, buf20)                 # Triton: triton_poi_fused_1.run(..., buf20, ...)
+    torch.ops._c10d_functional.all_reduce_.default(buf27, 'sum', '0')
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["collective_calls", "bucket_writers", "casts_to"]
+
+_KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''(.*?)'''", re.M | re.S)
+_ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+),.*# alias$", re.M)
+# A cast written in a kernel: C++ (vectorized or scalar) and Triton spellings.
+_CASTS = {"bfloat16": (r"convert<at::BFloat16\b", r"\.to\(tl\.bfloat16\)"),
+          "float16": (r"convert<at::Half\b", r"\.to\(tl\.float16\)")}
+
+
+def _call_body(code: str) -> str:
+    start = code.index("def call(")
+    end = code.find("\nrunner = ", start)
+    return code[start:] if end < 0 else code[start:end]
+
+
+def collective_calls(code: str, op: str) -> list[str]:
+    """The first argument (a buffer name) of every ``_c10d_functional.<op>`` call, in order;
+    ``op`` matches the in-place form too (``all_reduce`` finds ``all_reduce_``)."""
+    return re.findall(rf"_c10d_functional\.{op}_?\.default\((\w+)", _call_body(code))
+
+
+def kernels(code: str) -> dict[str, str]:
+    """Every kernel the module defines: name -> source."""
+    return {m.group(1): m.group(2) for m in _KERNEL.finditer(code)}
+
+
+def bucket_writers(code: str, buffer: str) -> list[str]:
+    """The kernels that write ``buffer`` or an alias of it before the first collective that
+    reads it, in call order (a name once per call)."""
+    body = _call_body(code)
+    first_use = re.search(rf"_c10d_functional\.\w+\.default\({buffer}\b", body)
+    body = body[: first_use.start()] if first_use else body
+    names = {buffer} | {alias for alias, base in _ALIAS.findall(body) if base == buffer}
+    defined = kernels(code)
+    writers = []
+    for line in body.splitlines():
+        m = re.match(r"\s*(\w+)(?:\.run)?\((.*)\)\s*$", line)
+        if m and m.group(1) in defined and names & set(re.findall(r"\bbuf\d+\b", m.group(2))):
+            writers.append(m.group(1))
+    return writers
+
+
+def casts_to(source: str, dtype: str) -> bool:
+    """Whether a kernel's ``source`` converts values to ``dtype`` ("bfloat16", "float16")."""
+    return any(re.search(p, source) for p in _CASTS[dtype])

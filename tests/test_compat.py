@@ -1,0 +1,106 @@
+"""compiled_hooks.compat: every version-dependent name resolves on the running torch, no other
+module of the packages reads the torch internals it owns, and what a release lacks is a
+clear error."""
+
+import ast
+import pathlib
+import re
+import tomllib
+
+import pytest
+import torch
+
+from compiled_hooks import compat
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("compiled_hooks", "passes")
+
+
+def test_every_name_resolves_on_this_torch():
+    names = compat.resolved()
+    print(f"\ntorch {torch.__version__}: " + "; ".join(f"{k} -> {v}" for k, v in names.items()))
+    assert names["torch"] == torch.__version__
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        module, attr = names[name].rsplit(".", 1)
+        assert module == "torch.distributed._functional_collectives"
+        assert callable(getattr(torch.distributed._functional_collectives, attr)), name
+    assert names["fsdp_param_groups"] in ("FSDPState._fsdp_param_groups", "FSDPState._fsdp_param_group")
+
+
+def owned_reads(source: str) -> list[str]:
+    """Where ``source`` reads a name of ``compat.OWNED`` other than through ``compat``: an
+    attribute (``fcol.all_gather_single``, ``state._fsdp_param_groups``) or an import from
+    torch (``from torch...._fully_shard import ...``), as "line: what". Strings and comments
+    do not count."""
+    owned, found = set(compat.OWNED), []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in owned:
+            if not (isinstance(node.value, ast.Name) and node.value.id == "compat"):
+                found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            for module in modules:
+                if module.startswith("torch") and owned & {*module.split("."), *names}:
+                    found.append(f"{node.lineno}: import {module}")
+    return sorted(found, key=lambda f: int(f.split(":")[0]))
+
+
+def test_only_compat_reads_the_internals_it_owns():
+    sources = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) if p.name != "compat.py"]
+    assert len(sources) > 30
+    found = {str(p.relative_to(ROOT)): owned_reads(p.read_text()) for p in sources}
+    assert {path: reads for path, reads in found.items() if reads} == {}
+
+
+def test_the_scan_finds_what_it_looks_for():
+    source = ("import torch.distributed._functional_collectives as fcol\n"
+              "from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo\n"
+              "x = fcol.all_gather_single(t, 0, g)\n"
+              "y = state._fsdp_param_groups\n"
+              "z = compat.all_gather_single(t, 0, g)  # through compat: fine\n"
+              "s = 'fcol.reduce_scatter_single'  # a string: fine\n")
+    assert owned_reads(source) == ["2: import torch.distributed.fsdp._fully_shard._fsdp_common",
+                                   "3: .all_gather_single", "4: ._fsdp_param_groups"]
+
+
+def test_supported_range_matches_the_requirement():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] == [f"torch{compat.SUPPORTED}"]
+
+
+def test_a_missing_feature_names_itself_and_both_releases(monkeypatch):
+    monkeypatch.setattr(compat, "_ALL_GATHER", None)
+    message = (f"the functional all_gather_single needs torch >=2.11,<2.16; this is torch {torch.__version__} "
+               "(compiled-hooks supports torch>=2.11,<2.16)")
+    with pytest.raises(compat.UnsupportedTorch, match=re.escape(message)):
+        compat.all_gather_single(torch.ones(2), 0, None)
+
+
+class _Pass(compat.CustomGraphPass):
+    def __init__(self, name, seen, uuid="u"):
+        self.name, self.seen, self._uuid = name, seen, uuid
+
+    def __call__(self, graph):
+        self.seen.append(self.name)
+
+    def uuid(self):
+        return self._uuid
+
+
+@pytest.mark.parametrize("lists", [True, False], ids=["lists", "one_pass"])
+def test_several_custom_passes_run_in_order_on_either_form(monkeypatch, lists):
+    monkeypatch.setattr(compat, "_LISTS", lists)
+    seen = []
+    a, b = _Pass("a", seen, "ua"), _Pass("b", seen, "ub")
+    setting = compat.post_pass_setting([a, b])
+    assert isinstance(setting, list) is lists
+    assert compat.post_passes(setting) == [a, b]
+    assert compat.post_pass_setting([a]) is a and compat.post_pass_setting([]) is None
+    assert compat.post_passes(None) == [] and compat.post_passes(a) == [a]
+    for p in compat.post_passes(setting) if lists else [setting]:
+        p(torch.fx.Graph())
+    assert seen == ["a", "b"]
+    if not lists:  # one CustomGraphPass: a cache key from both uuids, none if one pass has none
+        assert setting.uuid() == compat.post_pass_setting([a, b]).uuid() != compat.post_pass_setting([b, a]).uuid()
+        assert compat.post_pass_setting([a, print]).uuid() is None

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run what this project can run on one device, and print a short report.
+#
+#   tools/gpu_check.sh                  # --device cuda where a GPU is visible, else cpu
+#   tools/gpu_check.sh --device cpu     # what CI runs
+#
+# On a one-GPU machine it uses the torch already installed there (2.11 on the lent machines)
+# and reads the project from this working tree, no install: it needs only pytest and
+# expecttest (carry their wheels where the image lacks them). It runs
+#   1. tests/test_device.py on the device (COMPILED_HOOKS_TEST_DEVICE): the hooks compiled
+#      whole, compiled DDP's bf16 bucket read in Inductor's generated code (one all_reduce, the
+#      cast inside the kernels that write the bucket), data_parallel's one collective per block;
+#   2. on CUDA, the fast tier of the test suite as well (--suite fast|none);
+#   3. every example on the device: NCCL at world size 1 and gloo with 2 ranks sharing the
+#      GPU (CPU: 2 gloo ranks), --steps N each (default 6);
+# then a report: torch, GPU, pass/fail counts, each example's verdict and median step time.
+# Exits non-zero when anything failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec "${PYTHON:-python3}" tools/gpu_check.py "$@"
