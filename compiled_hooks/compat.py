@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch._inductor.config as inductor_config
@@ -53,7 +53,7 @@ __all__ = [
     "fsdp_group_layout", "fsdp_all_reduce_grads", "fsdp_take_over_all_reduce",
 ]
 
-SUPPORTED = ">=2.11,<2.16"  # keep equal to pyproject.toml's torch requirement (tests/test_docs.py)
+SUPPORTED = ">=2.11,<2.16"  # pyproject.toml requires torch in this range (tests/test_compat.py)
 
 # The internals only this module reads (tests/test_compat.py scans the packages for them).
 # Not reduce_scatter_tensor: that is also the name of the functional op, which every release has.

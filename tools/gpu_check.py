@@ -36,10 +36,12 @@ def pytest_counts(out: str) -> str:
 
 
 def example_result(out: str) -> str:
-    """The example's verdict line and the median step time after the first step (which
-    compiles), from rank 0's output; for the side-by-side examples, of the first model."""
+    """The example's verdict and the median step time after the first step (which compiles),
+    from rank 0's output: of its last section (``--- name ---``, the compiled run where an
+    eager reference runs first) and, where a line times several models, of the first."""
     final = [line for line in out.splitlines() if line.startswith("final loss")]
-    ms = [float(m.group(1)) for line in out.splitlines() if line.startswith("step")
+    last = out.split("\n--- ")[-1]
+    ms = [float(m.group(1)) for line in last.splitlines() if line.startswith("step")
           for m in [re.search(r"([\d.]+) ms", line)] if m]
     verdict = "OK" if final and "(OK" in final[-1] else "FAIL" if final else "no verdict"
     step = f", median step {statistics.median(ms[1:]):.1f} ms" if len(ms) > 1 else ""
