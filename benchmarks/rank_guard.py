@@ -33,7 +33,7 @@ from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn  #
 
 import compiled_hooks as ch  # noqa: E402
 import passes  # noqa: E402
-from passes import rank_guard  # noqa: E402
+from compiled_hooks import rank_guard  # noqa: E402
 
 
 class Copy:

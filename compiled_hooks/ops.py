@@ -10,19 +10,28 @@ rank guard's protocol), the op calls into it.
   that an index is "this rank" by finding this op.
 * ``powersgd_count(grad, state_id, slot, q_rows, q_cols) -> Q``: counts one PowerSGD hook call
   when the graph runs and returns the Q its power iteration starts from
-  (:mod:`compiled_hooks.powersgd`). Has a side effect: never dead-code eliminated.
+  (:mod:`compiled_hooks.powersgd`; a graph names its state by the id
+  :func:`register_powersgd_state` gave it). Has a side effect: never dead-code eliminated.
 * ``powersgd_fold_error(error!, grad)``: ``error += grad`` in place, declared as mutating
   ``error`` so that Inductor writes into the error buffer instead of a fresh one.
 * ``check_ranks(record)``: the rank-divergence guard's check at a graph's start
-  (:mod:`passes.rank_guard`, imported on the first call). Has a side effect.
+  (:mod:`compiled_hooks.rank_guard`). Has a side effect.
 """
 
 from __future__ import annotations
 
-import torch
-from . import compat
+import itertools
+import weakref
+from typing import Any
 
-__all__ = ["group_rank", "GROUP_RANK", "POWERSGD_COUNT", "CHECK_RANKS"]
+import torch
+
+from . import compat, rank_guard
+
+__all__ = ["group_rank", "register_powersgd_state", "GROUP_RANK", "POWERSGD_COUNT", "CHECK_RANKS"]
+
+_POWERSGD_STATES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_POWERSGD_IDS = itertools.count()
 
 
 @torch.library.custom_op("compiled_hooks::group_rank", mutates_args=())
@@ -42,9 +51,17 @@ def powersgd_count(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_
     """Count one hook call of ``slot`` for the PowerSGD state ``state_id`` and return the Q
     (``q_rows x q_cols``) this call starts from; empty for a call that does not compress.
     Returning Q ties the read of the state to this call's place in the graph."""
-    from . import powersgd
+    state = _POWERSGD_STATES.get(state_id)
+    if state is None:
+        raise RuntimeError(f"powerSGD_hook: the PowerSGDState this graph was compiled with (id {state_id}) is gone")
+    return state._counted(slot, grad, q_rows, q_cols)
 
-    return powersgd.counted(state_id, slot, grad, q_rows, q_cols)
+
+def register_powersgd_state(state: Any) -> int:
+    """The id by which compiled graphs name ``state`` (a PowerSGDState, held weakly)."""
+    state_id = next(_POWERSGD_IDS)
+    _POWERSGD_STATES[state_id] = state
+    return state_id
 
 
 @powersgd_count.register_fake
@@ -61,8 +78,6 @@ def powersgd_fold_error(error: torch.Tensor, grad: torch.Tensor) -> None:
 @torch.library.custom_op("compiled_hooks::check_ranks", mutates_args=())
 def check_ranks(record: str) -> None:
     """Check ``record`` (JSON, see :mod:`passes.insert_rank_guard`) against the other ranks."""
-    from passes import rank_guard  # the guard's protocol; passes depends on this package, not back
-
     rank_guard.check(record)
 
 

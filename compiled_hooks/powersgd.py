@@ -48,9 +48,7 @@ Where this differs from the original, by design:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -62,8 +60,6 @@ from .in_order import InOrder
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "reduce_bucket_async"]
 
-_STATES: "weakref.WeakValueDictionary[int, PowerSGDState]" = weakref.WeakValueDictionary()
-_IDS = itertools.count()
 
 
 class _Slot:
@@ -169,8 +165,7 @@ class PowerSGDState:
         self._per_step: Optional[int] = None  # hook calls per step, known after the first step
         self._seen: set[int] = set()  # slots called in this step
         self._in_order = InOrder()  # the C++ reducer's form issues its collectives through it
-        self._id = next(_IDS)
-        _STATES[self._id] = self
+        self._id = ops.register_powersgd_state(self)
 
     # -- bookkeeping, run when the graph runs (see the module docstring) --------------------
 
@@ -228,15 +223,6 @@ class PowerSGDState:
     def __repr__(self) -> str:
         return (f"PowerSGDState(world_size={self.world_size}, matrix_approximation_rank={self.matrix_approximation_rank}, "
                 f"start_powerSGD_iter={self.start_powerSGD_iter}, iter={self.iter}, compressing={self.compressing})")
-
-
-def counted(state_id: int, slot: int, grad: torch.Tensor, q_rows: int, q_cols: int) -> torch.Tensor:
-    """What ``torch.ops.compiled_hooks.powersgd_count`` does when the graph runs (see the module
-    docstring): count this call for the state and return its starting Q."""
-    state = _STATES.get(state_id)
-    if state is None:
-        raise RuntimeError(f"powerSGD_hook: the PowerSGDState this graph was compiled with (id {state_id}) is gone")
-    return state._counted(slot, grad, q_rows, q_cols)
 
 
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0, dim: int = 1) -> torch.Tensor:

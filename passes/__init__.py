@@ -14,6 +14,7 @@ import torch._logging
 torch._logging._internal.register_log("passes", "passes")
 
 from compiled_hooks import __version__
+from compiled_hooks.rank_guard import RankDivergenceError
 
 from . import testing
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
@@ -25,10 +26,10 @@ from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
 from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
+from .interface import PassOrderError
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .pipeline import Pipeline, default_pipeline, install
 from .prefetch_block_all_gathers import prefetch_block_all_gathers
-from .rank_guard import RankDivergenceError
 from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
@@ -57,5 +58,6 @@ __all__ = [
     "default_pipeline",
     "install",
     "PassVerificationError",
+    "PassOrderError",
     "testing",
 ]

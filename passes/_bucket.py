@@ -1,4 +1,5 @@
-"""Merging a bucket of collective chains into one collective: what the bucketing passes share."""
+"""What the bucketing passes share: which collectives are compressed, when a bucket's prologue
+can move into its members, and merging a bucket of collective chains into one collective."""
 
 from __future__ import annotations
 
@@ -7,7 +8,37 @@ from typing import Optional
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_REDUCE, REDUCE_SCATTER, WAIT, Chain, aten, flat_value, new_node, record, split_values, val
+from ._graph import (ALL_REDUCE, REDUCE_SCATTER, VIEW_OPS, WAIT, Chain, aten, cast_dtype, chains, flat_value, is_op,
+                     new_node, record, scale_factor, split_values, val)
+
+
+def is_compressed(chain: Chain) -> bool:
+    """Whether the last cast before ``chain``'s collective narrows the dtype (fp32 -> bf16)."""
+    for n in reversed(chain.pre):
+        dtype = cast_dtype(n)
+        if dtype is not None:
+            return dtype.itemsize < val(n.args[0]).dtype.itemsize
+    return False
+
+
+def compressed_collectives(graph: Graph, pass_name: str) -> set[Node]:
+    """The all_reduce / reduce_scatter collectives fed by a narrowing cast: a superset of what
+    ``fuse_collective_casts`` buckets (its candidates must also be free of problems)."""
+    return {chain.collective for chain in chains(graph, pass_name) if is_compressed(chain)}
+
+
+def cat_prologue_problem(cat: Node, pre: list[Node]) -> Optional[str]:
+    """Why the ops ``pre`` after a bucket's ``cat`` cannot move into its members (None: they can)."""
+    if len(cat.users) != 1:
+        return "the cat has another user"
+    if any(not hasattr(val(m), "dim") or val(m).dim() != 1 for m in cat.args[0]):
+        return "a member is not 1-D"  # so the cat is along dim 0 (or -1, the same)
+    for n in pre:
+        if not (scale_factor(n) is not None or cast_dtype(n) is not None or is_op(n, VIEW_OPS)):
+            return f"{n.name} is not a constant scale, cast or view"
+        if val(n).dim() != 1:
+            return f"{n.name} is not 1-D"
+    return None
 
 
 def merge_chains(pass_name: str, graph: Graph, bucket: list[Chain], order: dict[Node, int],

@@ -36,6 +36,7 @@ its own implementation) are left alone and counted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Collection
 
@@ -43,6 +44,9 @@ from torch.fx import Graph, Node
 
 from ._graph import (ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, WAIT, aten, check_chunk_bytes, check_graph,
                      chunk_bounds, group_info, is_op, new_node, record, val)
+from .interface import graph_pass
+
+__all__ = ["all_gather_as_all_to_all", "Options"]
 
 PASS = "all_gather_as_all_to_all"
 BACKENDS = frozenset({"gloo"})
@@ -69,6 +73,21 @@ def _in_pieces(graph: Graph, ag: Node, pieces: list[tuple[int, int]]) -> Node:
     return sent[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :func:`all_gather_as_all_to_all`."""
+
+    all_gather_backends: Collection[str] = BACKENDS
+    """Backends whose all-gathers are rewritten."""
+    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES
+    """The most bytes per destination one all_to_all sends; a larger exchange goes out in
+    pieces of at most this, all in flight."""
+
+
+@graph_pass(options=Options, after=(
+    "schedule_collectives", "prefetch_block_all_gathers", "bucket_block_all_gathers",
+    "shard_weight_update", "all_to_all_weight_update",
+))
 def all_gather_as_all_to_all(graph: Graph, all_gather_backends: Collection[str] = BACKENDS,
                              all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
     """Rewrite all_gathers on groups whose backend is in ``all_gather_backends`` to all_to_alls

@@ -49,6 +49,7 @@ first, after ``shard_weight_update`` when that is asked for, which leaves gloo g
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Collection
 
 import torch
@@ -56,8 +57,11 @@ from torch.fx import Graph, Node
 
 from ._graph import (ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, VIEW_OPS, WAIT, aten, check_chunk_bytes,
                      check_graph, chunk_bounds, flat_value, is_op, new_node, reapply, record, val)
-from .fuse_cat_prologue import cat_prologue_problem
-from .shard_weight_update import weight_update_matches
+from ._bucket import cat_prologue_problem
+from ._weight_update import weight_update_matches
+from .interface import graph_pass
+
+__all__ = ["all_to_all_weight_update", "Options"]
 
 PASS = "all_to_all_weight_update"
 BACKENDS = frozenset({"gloo"})
@@ -192,6 +196,18 @@ def _rewrite_owner_broadcasts(graph: Graph, cat: Node, broadcasts: list[Node], c
     return len(pieces)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :func:`all_to_all_weight_update`."""
+
+    all_to_all_backends: Collection[str] = BACKENDS
+    """Backends whose weight exchange is rewritten."""
+    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES
+    """The most bytes per destination one all_to_all sends; a larger exchange goes out in
+    pieces of at most this, all in flight."""
+
+
+@graph_pass(options=Options, after=("shard_weight_update",))
 def all_to_all_weight_update(graph: Graph, all_to_all_backends: Collection[str] = BACKENDS,
                              all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
     """Rewrite own-row all_reduces to chunked all_to_all + sum and owner broadcasts to chunked

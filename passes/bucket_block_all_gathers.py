@@ -36,6 +36,9 @@ from typing import Any
 from torch.fx import Graph, Node
 
 from ._graph import ALL_GATHER, WAIT, aten, block_of, check_graph, input_cone, is_op, new_node, record, val
+from .interface import graph_pass
+
+__all__ = ["bucket_block_all_gathers"]
 
 PASS = "bucket_block_all_gathers"
 
@@ -97,6 +100,7 @@ def _merge(graph: Graph, members: list[Node], order: dict[Node, int]) -> bool:
     return True
 
 
+@graph_pass()
 def bucket_block_all_gathers(graph: Graph) -> bool:
     """Merge each ``data_parallel`` block's all-gathers (see the module docstring); True when the
     graph changed."""

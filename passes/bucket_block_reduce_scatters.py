@@ -36,6 +36,9 @@ from torch.fx import Graph, Node
 
 from ._bucket import merge_chains
 from ._graph import REDUCE_SCATTER, WAIT, Chain, block_of, chains, check_graph, is_chain_op, is_op, record, val
+from .interface import graph_pass
+
+__all__ = ["bucket_block_reduce_scatters"]
 
 PASS = "bucket_block_reduce_scatters"
 
@@ -77,6 +80,7 @@ def _sink_to_outputs(graph: Graph, downstream: set[Node]) -> bool:
     return True
 
 
+@graph_pass(after=("fold_collective_scaling",))
 def bucket_block_reduce_scatters(graph: Graph) -> bool:
     """Merge each ``data_parallel`` block's reduce-scatters (see the module docstring); True when
     the graph changed."""

@@ -31,6 +31,7 @@ as a graph input. Idempotent: a bucket's input is a ``cat``, not a product.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -41,6 +42,9 @@ import torch
 
 from ._graph import (ALL_REDUCE, POWERSGD_COUNT, WAIT, Chain, aten, check_graph, flat_value, is_op, match_chain, new_node,
                      record, split_values, val)
+from .interface import graph_pass
+
+__all__ = ["bucket_low_rank_factors", "Options"]
 
 PASS = "bucket_low_rank_factors"
 MM_OPS = (aten.mm.default,)
@@ -114,6 +118,15 @@ def _merge(graph: Graph, bucket: list[Chain], order: dict[Node, int]) -> None:
     record(PASS, f"bucketed {len(bucket)} factor all_reduces into one", coll)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :func:`bucket_low_rank_factors`."""
+
+    factor_bucket_cap_mb: float = 25.0
+    """Cap of one bucket of factor all_reduces, in MiB."""
+
+
+@graph_pass(options=Options)
 def bucket_low_rank_factors(graph: Graph, factor_bucket_cap_mb: float = 25.0) -> bool:
     """Bucket the all_reduces of matrix products by round (see the module docstring).
     Returns True when the graph changed."""

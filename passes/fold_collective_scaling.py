@@ -37,6 +37,7 @@ wire dtype, with one rounding fewer than before.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from fractions import Fraction
 from typing import Collection
@@ -46,6 +47,9 @@ from torch.fx import Graph
 
 from ._graph import (AVG_BACKENDS, COLLECTIVES, REDUCE_SCATTER, WAIT, Chain, GroupInfo, aten, chains, group_info, is_op,
                      new_node, record)
+from .interface import graph_pass
+
+__all__ = ["fold_collective_scaling", "Options"]
 
 PASS = "fold_collective_scaling"
 FOLDABLE_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -109,6 +113,15 @@ def _fold(graph: Graph, chain: Chain, scales: list, info: GroupInfo, avg_backend
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :func:`fold_collective_scaling`."""
+
+    avg_backends: Collection[str] = AVG_BACKENDS
+    """Backends trusted with reduce op avg (the factors fold into the collective there)."""
+
+
+@graph_pass(options=Options)
 def fold_collective_scaling(graph: Graph, avg_backends: Collection[str] = AVG_BACKENDS) -> bool:
     """Fold constant factors around sum all_reduce / reduce_scatter (see the module docstring).
     ``avg_backends``: backends trusted with reduce op avg. Returns True when the graph changed."""

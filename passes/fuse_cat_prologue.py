@@ -28,25 +28,16 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import VIEW_OPS, aten, cast_dtype, chains, flat_value, is_op, new_node, reapply, record, scale_factor, val
+from ._bucket import cat_prologue_problem
+from ._graph import VIEW_OPS, aten, chains, flat_value, is_op, new_node, reapply, record, val
+from .interface import graph_pass
+
+__all__ = ["fuse_cat_prologue"]
 
 PASS = "fuse_cat_prologue"
 
 
-def cat_prologue_problem(cat: Node, pre: list[Node]) -> str | None:
-    """Why the ops ``pre`` after ``cat`` cannot move into its members (None: they can)."""
-    if len(cat.users) != 1:
-        return "the cat has another user"
-    if any(not hasattr(val(m), "dim") or val(m).dim() != 1 for m in cat.args[0]):
-        return "a member is not 1-D"  # so the cat is along dim 0 (or -1, the same)
-    for n in pre:
-        if not (scale_factor(n) is not None or cast_dtype(n) is not None or is_op(n, VIEW_OPS)):
-            return f"{n.name} is not a constant scale, cast or view"
-        if val(n).dim() != 1:
-            return f"{n.name} is not 1-D"
-    return None
-
-
+@graph_pass(after=("fold_collective_scaling", "fuse_collective_casts"))
 def fuse_cat_prologue(graph: Graph) -> bool:
     """Move the scales and casts between a bucket's ``cat`` and its collective into the
     members (see the module docstring). Returns True when the graph changed."""

@@ -52,28 +52,18 @@ is used before the bucket's last input is ready; both are counted in ``counters[
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from torch.fx import Graph, Node
 
-from ._bucket import merge_chains
-from ._graph import Chain, block_of, cast_dtype, chains, check_graph, is_collective, record, val
+from ._bucket import is_compressed, merge_chains
+from ._graph import Chain, block_of, chains, check_graph, is_collective, record, val
+from .interface import graph_pass
+
+__all__ = ["fuse_collective_casts", "Options"]
 
 PASS = "fuse_collective_casts"
-
-
-def _compressed(chain: Chain) -> bool:
-    for n in reversed(chain.pre):
-        dtype = cast_dtype(n)
-        if dtype is not None:
-            return dtype.itemsize < val(n.args[0]).dtype.itemsize
-    return False
-
-
-def compressed_collectives(graph: Graph) -> set[Node]:
-    """The collectives this pass may bucket: all_reduce / reduce_scatter fed by a narrowing cast
-    (a superset of its candidates, which must also be free of problems)."""
-    return {chain.collective for chain in chains(graph, PASS) if _compressed(chain)}
 
 
 def _key(chain: Chain) -> tuple[Any, ...]:
@@ -154,6 +144,19 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple
     return buckets
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :func:`fuse_collective_casts`."""
+
+    bucket_cap_mb: Optional[float] = None
+    """Cap of one bucket in MiB; None derives it from the graph's compressed bytes."""
+    first_bucket_cap_mb: float = 1.0
+    """Cap of the first bucket in MiB, so the wire starts early."""
+
+
+@graph_pass(options=Options, after=(
+    "fold_collective_scaling", "shard_weight_update", "all_to_all_weight_update",
+))
 def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, first_bucket_cap_mb: float = 1.0) -> bool:
     """Bucket compressed all_reduce / reduce_scatter chains (see the module docstring).
     Returns True when the graph changed."""
@@ -162,7 +165,7 @@ def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, f
         raise ValueError(f"{PASS}: bucket caps must be positive, got {bucket_cap_mb}, {first_bucket_cap_mb}")
     candidates: dict[Node, Chain] = {}
     for chain in chains(graph, PASS):
-        if not _compressed(chain) or block_of(chain.collective) is not None:  # data_parallel's: per block
+        if not is_compressed(chain) or block_of(chain.collective) is not None:  # data_parallel's: per block
             continue
         if chain.problem:
             record(PASS, f"skipped: {chain.problem}", chain.collective)

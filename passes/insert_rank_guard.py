@@ -2,7 +2,7 @@
 
 The guard compares, across the ranks of each process group, the collectives a compiled graph
 will issue, the first time the graph runs, before the first of them is issued (see
-:mod:`passes.rank_guard` for the run-time side). This pass writes down that sequence and plants
+:mod:`compiled_hooks.rank_guard` for the run-time side). This pass writes down that sequence and plants
 the check::
 
     before                                        after
@@ -39,6 +39,9 @@ from torch.fx import Graph, Node
 from compiled_hooks.ops import CHECK_RANKS as CHECK
 
 from ._graph import check_graph, is_collective, record, val
+from .interface import graph_pass
+
+__all__ = ["insert_rank_guard", "collective_record"]
 
 NAME = "insert_rank_guard"
 
@@ -94,6 +97,13 @@ def _existing_checks(graph: Graph) -> list[Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is CHECK]
 
 
+@graph_pass(after=(
+    "shard_weight_update", "all_to_all_weight_update", "fold_collective_scaling",
+    "bucket_block_all_gathers", "bucket_block_reduce_scatters", "fuse_collective_casts",
+    "bucket_low_rank_factors", "fuse_cat_prologue", "interleave_zero_broadcasts",
+    "schedule_collectives", "prefetch_block_all_gathers", "reinplace_broadcasts",
+    "all_gather_as_all_to_all", "reduce_scatter_as_all_to_all",
+))
 def insert_rank_guard(graph: Graph) -> bool:
     """Insert ``check_ranks(record)`` after the graph's inputs if the graph has collectives."""
     check_graph(NAME, graph)

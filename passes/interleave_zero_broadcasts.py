@@ -57,8 +57,11 @@ from typing import Callable
 
 from torch.fx import Graph, Node
 
+from ._bucket import compressed_collectives
 from ._graph import ALL_GATHER, ALL_TO_ALL, BROADCAST, COLLECTIVES, WAIT, check_graph, is_collective, is_op, record
-from .fuse_collective_casts import compressed_collectives
+from .interface import graph_pass
+
+__all__ = ["interleave_zero_broadcasts"]
 
 PASS = "interleave_zero_broadcasts"
 GRADIENT_COLLECTIVES = COLLECTIVES + (ALL_TO_ALL,)  # all_to_all: all_to_all_weight_update's reduction
@@ -160,6 +163,7 @@ def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Nod
     return held
 
 
+@graph_pass(after=("fuse_collective_casts", "all_to_all_weight_update", "shard_weight_update"))
 def interleave_zero_broadcasts(graph: Graph) -> bool:
     """Schedule ZeRO updates and broadcasts (see the module docstring); True if the order changed."""
     check_graph(PASS, graph)
@@ -181,7 +185,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
     interleaved = position[broadcasts[0]] < position[last_issue]
     if interleaved:
         held = _held_updates(nodes, position, latest, gradient_collectives, set(broadcasts), waits, mutations,
-                              compressed_collectives(graph))
+                              compressed_collectives(graph, PASS))
         if held:
             moved = {n for before, after in held.values() for n in before + after}
             reordered: list[Node] = []

@@ -27,8 +27,8 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
 from compiled_hooks import compat
-from compiled_hooks._env import env_flag
-from compiled_hooks.compat import CustomGraphPass, inductor_config
+from compiled_hooks.env import env_flag
+from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
@@ -41,13 +41,15 @@ from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .prefetch_block_all_gathers import prefetch_block_all_gathers
-from .rank_guard import RankDivergenceError, unraised_verdict
 from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from ._graph import check_graph
+from .interface import check_order, interface_of
 from .verify import check_rewrite, copy_graph
+
+__all__ = ["Pipeline", "default_pipeline", "install", "KEEP_SCHEDULE"]
 
 log = logging.getLogger("passes")
 
@@ -70,11 +72,6 @@ def _flag(name: str, value: Any, env: str) -> bool:
     return value
 
 
-def _accepted(fn: GraphPass) -> set[str]:
-    params = list(inspect.signature(fn).parameters.values())[1:]
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
 def _in_topological_order(graph: Graph) -> bool:
     seen: set = set()
     for node in graph.nodes:
@@ -95,11 +92,14 @@ def _us(since: float) -> int:
     return round((time.perf_counter() - since) * 1e6)
 
 
-class Pipeline(CustomGraphPass):
+class Pipeline(compat.CustomGraphPass):
     """Run ``passes`` in order on a graph; ``options`` go to the passes that take them.
 
     ``Pipeline([fold_collective_scaling, fuse_collective_casts], bucket_cap_mb=10)`` calls
-    ``fuse_collective_casts(graph, bucket_cap_mb=10)``. An option no pass takes is an error.
+    ``fuse_collective_casts(graph, bucket_cap_mb=10)``. What a pass takes and what it must run
+    after is its declaration (:mod:`passes.interface`): an option no pass takes is a
+    ``ValueError`` naming it, and an order that runs a pass before one it must run after is a
+    :class:`passes.interface.PassOrderError`.
     ``uuid()`` hashes the source of this package, of every pass and the options, so Inductor's
     FX graph cache never serves a graph compiled with other passes or options.
 
@@ -110,7 +110,7 @@ class Pipeline(CustomGraphPass):
     ``check_ranks=True`` (default: the ``PASSES_CHECK_RANKS`` environment variable, 1 or 0)
     runs :func:`passes.insert_rank_guard` after the passes: every compiled graph that
     communicates first checks, across the ranks, that they all issue the same collectives
-    (:mod:`passes.rank_guard`), and raises ``RankDivergenceError`` on every rank otherwise.
+    (:mod:`compiled_hooks.rank_guard`), and raises ``RankDivergenceError`` on every rank otherwise.
     """
 
     def __init__(self, passes: Sequence[GraphPass], verify: Optional[bool] = None,
@@ -119,9 +119,11 @@ class Pipeline(CustomGraphPass):
         for p in passes:
             if not callable(p):
                 raise TypeError(f"Pipeline: a pass must be callable as pass(graph) -> bool, got {p!r}")
-        unknown = set(options) - set().union(*(_accepted(p) for p in passes)) if passes else set(options)
+        self.interfaces = [interface_of(p) for p in passes]
+        unknown = set(options) - set().union(*(i.option_names for i in self.interfaces))
         if unknown:
             raise ValueError(f"Pipeline: no pass takes option(s) {sorted(unknown)}")
+        check_order(self.interfaces)
         self.passes = passes
         self.options = dict(options)
         self.verify = _flag("verify", verify, "PASSES_VERIFY")
@@ -161,14 +163,14 @@ class Pipeline(CustomGraphPass):
         if not _in_topological_order(graph):
             stable_topological_sort(graph)
         changed = False
-        for p in self.passes:
+        for p, interface in zip(self.passes, self.interfaces):
             before = copy_graph(graph) if self.verify else None
             t0 = time.perf_counter()
-            changed_now = p(graph, **{k: v for k, v in self.options.items() if k in _accepted(p)})
-            counters["passes"][f"{getattr(p, '__name__', repr(p))}: us"] += _us(t0)
+            changed_now = p(graph, **{k: v for k, v in self.options.items() if k in interface.option_names})
+            counters["passes"][f"{interface.name}: us"] += _us(t0)
             if changed_now and before is not None:
                 graph.lint()
-                check_rewrite(getattr(p, "__name__", repr(p)), before, graph)
+                check_rewrite(interface.name, before, graph)
             changed |= bool(changed_now)
         if changed and not self.verify:
             graph.lint()
@@ -237,8 +239,10 @@ class install:
             torch.compile(step)(...)
 
     As a plain call it stays installed for the process (``.restore()`` undoes it).
+    ``install(options={"bucket_cap_mb": 10})`` installs the default pipeline with those options
+    (an option no pass takes is refused by name, before any compile);
     ``install(verify=True)`` installs the default pipeline with differential verification;
-    ``install(check_ranks=True)`` with the rank-divergence guard (:mod:`passes.rank_guard`).
+    ``install(check_ranks=True)`` with the rank-divergence guard (:mod:`compiled_hooks.rank_guard`).
 
     Custom post-grad passes already set in ``torch._inductor.config.post_grad_custom_post_pass``
     stay: the pipeline runs after them (the setting holds both, see
@@ -264,12 +268,12 @@ class install:
     """
 
     def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None,
-                 check_ranks: Optional[bool] = None):
+                 check_ranks: Optional[bool] = None, options: Optional[dict[str, Any]] = None):
         if pipeline is None:
-            pipeline = default_pipeline(verify=verify, check_ranks=check_ranks)
-        elif verify is not None or check_ranks is not None:
-            option = "verify=" if verify is not None else "check_ranks="
-            raise ValueError(f"install: pass {option} to the Pipeline you give, or give no pipeline")
+            pipeline = default_pipeline(verify=verify, check_ranks=check_ranks, **(options or {}))
+        elif verify is not None or check_ranks is not None or options is not None:
+            given = "verify=" if verify is not None else "check_ranks=" if check_ranks is not None else "options="
+            raise ValueError(f"install: pass {given} to the Pipeline you give, or give no pipeline")
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
@@ -278,8 +282,8 @@ class install:
         self.installed = compat.post_pass_setting([*others, pipeline])
         compat.set_custom_post_pass(self.installed)
         self.scheduling = None
-        if not inductor_config.reorder_for_compute_comm_overlap:
-            self.scheduling = inductor_config.patch(KEEP_SCHEDULE)
+        if not compat.inductor_config.reorder_for_compute_comm_overlap:
+            self.scheduling = compat.inductor_config.patch(KEEP_SCHEDULE)
             self.scheduling.__enter__()
 
     def restore(self) -> None:

@@ -32,9 +32,13 @@ same on every rank; a second run finds every all-gather in its slot.
 
 from __future__ import annotations
 
+import dataclasses
 from torch.fx import Graph, Node
 
 from ._graph import ALL_GATHER, WAIT, block_of, check_graph, input_cone, is_op, record
+from .interface import graph_pass
+
+__all__ = ["prefetch_block_all_gathers", "Options"]
 
 PASS = "prefetch_block_all_gathers"
 
@@ -43,6 +47,15 @@ def _wait(ag: Node) -> Node:
     return next(iter(ag.users))
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :func:`prefetch_block_all_gathers`."""
+
+    prefetch_depth: int = 1
+    """How many blocks ahead an all-gather goes out."""
+
+
+@graph_pass(options=Options, after=("bucket_block_all_gathers", "schedule_collectives"))
 def prefetch_block_all_gathers(graph: Graph, prefetch_depth: int = 1) -> bool:
     """Move each marked all-gather to its prefetch slot (see the module docstring); True when the
     graph changed."""

@@ -33,6 +33,7 @@ after its wait::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Collection
 
@@ -41,6 +42,9 @@ from torch.fx import Graph, Node
 
 from ._graph import (ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, REDUCE_SCATTER, WAIT, aten, check_chunk_bytes, check_graph,
                      chunk_bounds, group_info, is_op, new_node, prims, record, val)
+from .interface import graph_pass
+
+__all__ = ["reduce_scatter_as_all_to_all", "Options"]
 
 PASS = "reduce_scatter_as_all_to_all"
 BACKENDS = frozenset({"gloo"})
@@ -62,6 +66,21 @@ def _sent(graph: Graph, x: Node, size: int, group, pieces: list[tuple[int, int]]
     return sent
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :func:`reduce_scatter_as_all_to_all`."""
+
+    reduce_scatter_backends: Collection[str] = BACKENDS
+    """Backends whose reduce-scatters are rewritten."""
+    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES
+    """The most bytes per destination one all_to_all sends; a larger exchange goes out in
+    pieces of at most this, all in flight."""
+
+
+@graph_pass(options=Options, after=(
+    "schedule_collectives", "bucket_block_reduce_scatters", "fuse_collective_casts",
+    "fold_collective_scaling", "shard_weight_update",
+))
 def reduce_scatter_as_all_to_all(graph: Graph, reduce_scatter_backends: Collection[str] = BACKENDS,
                                  all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
     """Rewrite reduce-scatters on groups whose backend is in ``reduce_scatter_backends`` into

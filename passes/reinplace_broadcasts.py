@@ -24,10 +24,14 @@ from __future__ import annotations
 from torch.fx import Graph
 
 from ._graph import BROADCAST, BROADCAST_, aten, check_graph, is_op, record, val
+from .interface import graph_pass
+
+__all__ = ["reinplace_broadcasts"]
 
 PASS = "reinplace_broadcasts"
 
 
+@graph_pass(after=("interleave_zero_broadcasts", "shard_weight_update", "all_to_all_weight_update"))
 def reinplace_broadcasts(graph: Graph) -> bool:
     """Turn ``broadcast(cat(...))`` into ``broadcast_`` on the cat where nothing else reads it
     (see the module docstring). Returns True when the graph changed."""

@@ -38,6 +38,9 @@ from __future__ import annotations
 from torch.fx import Graph, Node
 
 from ._graph import ALL_GATHER, WAIT, block_of, check_graph, is_chain_op, is_collective, is_op, record
+from .interface import graph_pass
+
+__all__ = ["schedule_collectives", "schedule_problems"]
 
 PASS = "schedule_collectives"
 
@@ -160,6 +163,10 @@ def schedule_problems(graph: Graph) -> list[str]:
     return problems
 
 
+@graph_pass(after=(
+    "fuse_collective_casts", "bucket_low_rank_factors", "bucket_block_all_gathers",
+    "bucket_block_reduce_scatters", "interleave_zero_broadcasts",
+))
 def schedule_collectives(graph: Graph) -> bool:
     """Move waits late and collectives early (see the module docstring). True when the graph
     changed."""

@@ -32,14 +32,16 @@ whose backend is in ``shard_backends`` (default NCCL and the fake test backend, 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Collection
 
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_GATHER, ALL_REDUCE, BROADCAST, CAST_OPS, GROUP_RANK, REDUCE_SCATTER, VIEW_OPS, WAIT, aten, check_graph,
-    group_info, is_op, is_scale, match_chain, new_node, reapply, record, val,
-)
+from ._graph import ALL_GATHER, REDUCE_SCATTER, WAIT, aten, check_graph, new_node, reapply, record, val
+from ._weight_update import weight_update_matches
+from .interface import graph_pass
+
+__all__ = ["shard_weight_update", "Options", "SHARD_BACKENDS"]
 
 PASS = "shard_weight_update"
 # Backends on which the rewrite pays: NCCL's reduce_scatter and all_gather each move half the
@@ -49,33 +51,6 @@ PASS = "shard_weight_update"
 SHARD_BACKENDS = frozenset({"nccl", "fake"})
 _WHY_NOT = {"gloo": "its reduce_scatter costs more than its all_reduce; all_to_all_weight_update covers gloo, "
                     "or pass shard_backends to force"}
-
-
-def own_slice(index: Node):
-    """(chain, N) when ``index`` reads this rank's slice of an all_reduce (rewrite 1)."""
-    if not is_op(index, (aten.index.Tensor,)) or len(index.args) != 2:
-        return None
-    view, indices = index.args
-    if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and is_op(indices[0], (GROUP_RANK,))):
-        return None
-    if not is_op(view, VIEW_OPS) or len(view.users) != 1:
-        return None
-    node = view.args[0]
-    while not is_op(node, (WAIT,)):  # walk back over the hook's elementwise ops and reshapes
-        if not (is_scale(node) or is_op(node, CAST_OPS + VIEW_OPS)) or len(node.users) != 1:
-            return None
-        node = node.args[0]
-    chain = match_chain(node.args[0])
-    # the chain runs wait -> scales/casts/reshapes -> this view; nothing else reads the all_reduce
-    if chain is None or chain.problem or not is_op(chain.collective, (ALL_REDUCE,)) or chain.end is not view:
-        return None
-    info = group_info(chain.group_name)
-    shape = list(val(view).shape)
-    flat = val(chain.collective.args[0])
-    if (info is None or indices[0].args[0] != chain.group_name or chain.reduce_op not in ("sum", "avg")
-            or len(shape) != 2 or shape[0] != info.size or flat.dim() != 1 or flat.numel() != shape[0] * shape[1]):
-        return None
-    return chain, info
 
 
 def _rewrite_own_slice(graph: Graph, index: Node, chain, n: int) -> None:
@@ -91,29 +66,6 @@ def _rewrite_own_slice(graph: Graph, index: Node, chain, n: int) -> None:
         graph.erase_node(dead)
 
 
-def owner_broadcasts(cat: Node):
-    """The N broadcasts when ``cat`` concatenates one tensor from every rank (rewrite 2)."""
-    if not is_op(cat, (aten.cat.default,)) or not isinstance(cat.args[0], (list, tuple)):
-        return None
-    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-    waits = list(cat.args[0])
-    if not waits or dim not in (0, -val(waits[0]).dim()):
-        return None
-    broadcasts = []
-    for src, w in enumerate(waits):
-        if not is_op(w, (WAIT,)) or len(w.users) != 1:
-            return None
-        b = w.args[0]
-        if not is_op(b, (BROADCAST,)) or len(b.users) != 1 or b.args[1] != src:
-            return None
-        broadcasts.append(b)
-    y, group = broadcasts[0].args[0], broadcasts[0].args[2]
-    info = group_info(group)
-    if info is None or info.size != len(waits) or any(b.args[0] is not y or b.args[2] != group for b in broadcasts):
-        return None
-    return broadcasts, info
-
-
 def _rewrite_owner_broadcasts(graph: Graph, cat: Node, broadcasts: list[Node]) -> None:
     y, _, group = broadcasts[0].args
     with graph.inserting_before(broadcasts[0]):
@@ -127,24 +79,15 @@ def _rewrite_owner_broadcasts(graph: Graph, cat: Node, broadcasts: list[Node]) -
         graph.erase_node(b)
 
 
-def weight_update_matches(graph: Graph, pass_name: str, backends: Collection[str], why_not: dict[str, str]):
-    """The two patterns above in ``graph``, on groups whose backend is in ``backends``:
-    ``(node, own-slice chain or None, owner broadcasts or None, group size)`` per match, in
-    graph order; a match on another backend is counted with ``why_not``'s reason. A rewrite
-    made while iterating may erase only nodes before ``node``."""
-    for node in list(graph.nodes):
-        own = own_slice(node)
-        found = own or owner_broadcasts(node)
-        if found is None:
-            continue
-        info = found[1]
-        if info.backend not in backends:
-            reason = why_not.get(info.backend, f"not in {pass_name}'s backends")
-            record(pass_name, f"skipped: backend {info.backend} ({reason})", node)
-            continue
-        yield node, (own[0] if own else None), (None if own else found[0]), info.size
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of :func:`shard_weight_update`."""
+
+    shard_backends: Collection[str] = SHARD_BACKENDS
+    """Backends whose weight exchange is rewritten."""
 
 
+@graph_pass(options=Options)
 def shard_weight_update(graph: Graph, shard_backends: Collection[str] = SHARD_BACKENDS) -> bool:
     """Rewrite own-slice all_reduces to reduce_scatter and owner broadcasts to all_gather (see
     the module docstring) on groups whose backend is in ``shard_backends``; True if anything

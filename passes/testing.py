@@ -34,7 +34,7 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functionalize
 
-from compiled_hooks import compat
+from .graph_text import graph_str
 
 __all__ = ["trace", "graph_str", "fake_process_group", "partitioned_graphs", "gathered_bytes_alive"]
 
@@ -78,68 +78,6 @@ def trace(fn: Callable[..., Any], *args: Any, world_size: Optional[int] = 8) -> 
     remove_noop_ops(gm.graph)
     gm.recompile()
     return gm
-
-
-_DTYPES = {
-    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-    torch.int64: "i64", torch.int32: "i32", torch.bool: "b8",
-}
-
-
-def _type_str(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"{_DTYPES.get(v.dtype, str(v.dtype))}{list(v.shape)}"
-    if isinstance(v, (list, tuple)):
-        return "(" + ", ".join(_type_str(x) for x in v) + ")"
-    return ""
-
-
-def _group_str(name: str) -> str:
-    try:
-        return f"group(size={compat.group_size_by_name(name)})"
-    except Exception:  # noqa: BLE001 - not a group name after all
-        return repr(name)
-
-
-def _arg_str(a: Any, group_arg: bool = False) -> str:
-    if isinstance(a, torch.fx.Node):
-        return a.name
-    if isinstance(a, (list, tuple)):
-        inner = ", ".join(_arg_str(x) for x in a)
-        return f"[{inner}]"
-    if isinstance(a, torch.dtype):
-        return _DTYPES.get(a, str(a))
-    if group_arg and isinstance(a, str):
-        return _group_str(a)
-    if isinstance(a, str):
-        return repr(a)
-    return str(a)
-
-
-def _target_str(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        ns, name = target.namespace, target._schema.name.split("::")[-1]
-        ns = {"_c10d_functional": "c10d"}.get(ns, ns)
-        return f"{ns}.{name}" + ("" if target._overloadname in ("default", "Tensor") else f".{target._overloadname}")
-    return getattr(target, "__name__", str(target))
-
-
-def graph_str(gm: torch.fx.GraphModule | torch.fx.Graph) -> str:
-    """One line per node, ``name: dtype[shape] = op(args)``: no memory addresses, no
-    stack traces, group names as ``group(size=N)``; stable across runs and processes."""
-    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
-    lines = []
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            lines.append(f"{n.name}: {_type_str(n.meta.get('val'))} = input")
-        elif n.op == "output":
-            lines.append(f"return {_arg_str(n.args[0])}")
-        else:
-            is_collective = isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional"
-            args = [_arg_str(a, group_arg=is_collective and i == len(n.args) - 1) for i, a in enumerate(n.args)]
-            args += [f"{k}={_arg_str(v)}" for k, v in n.kwargs.items()]
-            lines.append(f"{n.name}: {_type_str(n.meta.get('val'))} = {_target_str(n.target)}({', '.join(args)})")
-    return "\n".join(lines)
 
 
 def partitioned_graphs(step: Callable[[Callable[..., Any]], Any]) -> list[tuple[str, torch.fx.GraphModule]]:

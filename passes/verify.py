@@ -27,7 +27,7 @@ from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from ._graph import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, BROADCAST_, COLLECTIVES, GROUP_RANK, POWERSGD_COUNT,
                      REDUCE_SCATTER, WAIT, group_info, record)
-from .testing import graph_str
+from .graph_text import graph_str
 
 __all__ = ["PassVerificationError", "check_rewrite", "simulate", "random_inputs", "copy_graph"]
 

@@ -22,12 +22,59 @@ def test_options_reach_the_passes_that_take_them():
         Pipeline([fold_collective_scaling, "fuse"])
 
 
+def test_a_pipeline_in_a_declared_wrong_order_is_refused_by_name():
+    with pytest.raises(passes.PassOrderError, match=r"fuse_cat_prologue must run after fuse_collective_casts"):
+        Pipeline([fold_collective_scaling, passes.fuse_cat_prologue, fuse_collective_casts])
+    with pytest.raises(passes.PassOrderError, match=r"insert_rank_guard must run after schedule_collectives"):
+        Pipeline([passes.insert_rank_guard, passes.schedule_collectives])
+    Pipeline([passes.fuse_cat_prologue])  # an order constrains only the passes a pipeline holds
+    default_pipeline(shard_weight_update=True)  # the default order keeps every declaration
+
+
+def test_every_pass_declares_its_interface():
+    from passes.interface import interface_of
+
+    for name in passes.__all__:
+        fn = getattr(passes, name)
+        if callable(fn) and name.islower() and name not in ("default_pipeline", "install"):
+            interface = fn.interface
+            assert interface.name == name and interface_of(fn) is interface
+            assert set(interface.after) <= set(passes.__all__), interface.after
+    assert passes.fuse_collective_casts.interface.option_names == {"bucket_cap_mb", "first_bucket_cap_mb"}
+
+
+def test_a_declaration_that_disagrees_with_its_function_is_refused():
+    import dataclasses
+
+    from passes.interface import graph_pass
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        cap: int = 2
+
+    with pytest.raises(TypeError, match=r"my_pass's keyword parameters \{'cap': 3\} differ from its options \{'cap': 2\}"):
+        @graph_pass(options=Options)
+        def my_pass(graph, cap=3):
+            return False
+
+
+def test_install_takes_options_for_the_default_pipeline():
+    with install(options={"bucket_cap_mb": 3.0}) as pipeline:
+        assert pipeline.options == {"bucket_cap_mb": 3.0}
+    assert inductor_config.post_grad_custom_post_pass is None
+    with pytest.raises(ValueError, match=r"no pass takes option\(s\) \['bucket_cap'\]"):
+        install(options={"bucket_cap": 3.0})
+    assert inductor_config.post_grad_custom_post_pass is None  # refused before anything was installed
+    with pytest.raises(ValueError, match="pass options= to the Pipeline you give"):
+        install(Pipeline([fold_collective_scaling]), options={"avg_backends": ("nccl",)})
+
+
 def test_uuid_follows_passes_and_options():
     assert default_pipeline().uuid() == default_pipeline().uuid()
     assert default_pipeline().uuid() != default_pipeline(bucket_cap_mb=10.0).uuid()
     assert default_pipeline().uuid() != Pipeline([fold_collective_scaling]).uuid()
-    assert Pipeline([fold_collective_scaling, fuse_collective_casts]).uuid() != Pipeline(
-        [fuse_collective_casts, fold_collective_scaling]).uuid()
+    assert Pipeline([fold_collective_scaling, passes.bucket_block_all_gathers]).uuid() != Pipeline(
+        [passes.bucket_block_all_gathers, fold_collective_scaling]).uuid()
 
 
 def test_install_restores_previous_config():

@@ -48,11 +48,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._dynamo.utils import counters
 
-from compiled_hooks import compat
+from . import compat
 
 __all__ = ["RankDivergenceError", "check", "unraised_verdict"]
 
-log = logging.getLogger("passes.rank_guard")
+log = logging.getLogger("passes.rank_guard")  # under the passes' log: TORCH_LOGS="passes" shows it
 POLL_SECONDS = 0.2  # watchdog period; also the longest a check waits between store reads
 _PREFIX = "compiled_hooks/rank_guard"
 
