@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks (spawned processes) and collect what each rank returns.
+"""Run a function on N gloo ranks (one process each) and collect what each rank returns.
 
 A rank that raises, dies (e.g. an abort inside gloo) or hangs past ``timeout`` fails the
 caller with a message naming the rank, so a distributed test can never hang the suite.
@@ -54,11 +54,25 @@ def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: t
             q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+# What the rank processes' server imports once: every rank forks from it with these loaded.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "compiled_hooks", "passes",
+            "tests.ranks"]
+
+
+def context() -> Any:
+    """The multiprocessing context for rank processes: forked from a server that imported torch
+    and the packages once, so a rank starts in a fraction of a second instead of importing torch
+    again (a fresh interpreter per rank, as ``spawn`` makes, costs seconds per test)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def rank_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
                   backend: str = "gloo", teardown: bool = True) -> list[Outcome]:
     """Run ``fn(rank, world_size, *args)`` on every rank; what happened to each.
     ``teardown=False`` leaves out the final barrier, for groups a test leaves broken."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     q = ctx.Queue()
     outcomes: dict[int, Outcome] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,11 +10,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import compiled_hooks as ch
 import passes
-from tests.ranks import run_ranks
+from tests.ranks import context, run_ranks
 from tests.test_ddp import _batch, _net as _mlp
 
 PG_TIMEOUT_S = 10
@@ -73,7 +72,7 @@ def _flush(q):
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager_hook", "compiled_ddp"])
 def test_dead_rank_makes_the_others_raise(compiled):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=dying_worker, args=(r, 2, os.path.join(tmp, "store"), q, compiled), daemon=True)
