@@ -176,7 +176,7 @@ def step_alone(c: Config) -> Callable[[], Any]:
         return c.opt.step
     zero, state = c.zero, ch.DefaultState(dist.group.WORLD)
     reduced = [zero.reduce_bucket(ch.allreduce_hook, state, [(i, zero.params[i].grad) for i in bucket])
-               for bucket in zero._buckets]
+               for bucket in zero.storage.buckets]
 
     @torch.compile(fullgraph=True)
     def update():

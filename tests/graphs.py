@@ -68,7 +68,7 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
     n = len(zero.params)
     # built first: it lays out zero's state by its buckets (ZeroOptimizer.plan_buckets)
     core = ZeroStep(hook, zero, interleaved, bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes)
-    owned = zero._state if zero.shard_buckets else [zero._buffers]
+    owned = zero.storage.containers()
 
     def fn(*args):
         with mock.patch("torch.compiler.is_compiling", return_value=True):  # as Dynamo traces the hooks
@@ -76,7 +76,8 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
 
     def _fn(*args):
         grads, params, flat_state = args[:n], args[n:2 * n], list(args[2 * n:])
-        zero.params, zero._index = list(params), {id(p): i for i, p in enumerate(params)}
+        zero.params[:] = params  # the storage shares the list
+        zero._index = {id(p): i for i, p in enumerate(params)}
         zero._steps, zero._table = flat_state.pop(0), flat_state.pop(0)
         for d in owned:
             for k in d:

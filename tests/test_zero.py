@@ -152,12 +152,13 @@ def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", pyt
             total=sum(p.numel() for p in net.parameters()), largest=max(p.numel() for p in net.parameters()),
             codes=codes, breaks=dict(torch._dynamo.utils.counters["graph_break"]),
             # parameters in buckets updated over this rank's row only (plan_buckets, _own_row_buckets)
-            own_row_params=sum(map(len, zero._row_buckets)) if zero._uniform_steps else 0,
-            buckets=len(zero._rows),
+            own_row_params=0 if shard or not zero.storage.uniform_steps else sum(map(len, zero._row_buckets)),
+            buckets=len(list(zero.storage.planned_runs())),
             # members outside the planned buckets whose state lies in a planned bucket's run
-            tails_used=0 if shard else sum(run.start <= lo < run.start + run.length for run in zero._rows.values()
-                                           for i, pieces in enumerate(zero._pieces) if i not in zero._bucket_of
-                                           for lo, _ in pieces),
+            tails_used=0 if shard else sum(run.start <= lo < run.start + run.length
+                                           for run in zero.storage.runs.values()
+                                           for i, pieces in enumerate(zero.storage.pieces)
+                                           if i not in zero.storage.bucket_of for lo, _ in pieces),
             passes=dict(torch._dynamo.utils.counters["passes"]),
         )
     return out
@@ -294,7 +295,7 @@ def test_whole_parameter_buckets_close_where_owner_rows_balance():
     from tests.graphs import zero_optimizer
 
     zero = zero_optimizer(2, [(4,), (4,), (3,), (3,), (2,), (2,), (4,)], torch.optim.SGD)
-    zero.owner = [0, 0, 1, 0, 1, 1, 0]
+    zero.storage.owners[:] = [0, 0, 1, 0, 1, 1, 0]
     core = ZeroStep(None, zero, interleaved=False, bucket_bytes=16, first_bucket_bytes=16)
     # in gradient-ready order (6 first): rows 4 | 2+2 (the old rule closed after the first 4),
     # 3 | 3, then 4+4 | - at twice the cap
@@ -307,7 +308,7 @@ def test_a_gradient_out_of_the_planned_order_delays_its_bucket():
     from tests.graphs import zero_optimizer
 
     zero = zero_optimizer(2, [(4,), (4,), (3,), (3,), (2,), (2,), (4,)], torch.optim.SGD)
-    zero.owner = [0, 0, 1, 0, 1, 1, 0]
+    zero.storage.owners[:] = [0, 0, 1, 0, 1, 1, 0]
     closed = []
     core = ZeroStep(lambda state, flat: closed.append(flat.numel()), zero, interleaved=False, bucket_bytes=16,
                     first_bucket_bytes=16)
@@ -358,14 +359,14 @@ def test_traced_whole_parameter_step_computes_only_this_ranks_row(optimizer, kw)
     shapes = [(8,), (4, 4), (16,), (3,), (6,)]
     zero = zero_optimizer(2, shapes, optimizer, **kw)
     fn, args = zero_step_fn(zero, "fp32", interleaved=False, bucket_bytes=10**6)  # one bucket
-    run, = zero._rows.values()
+    run, = zero.storage.runs.values()
     start, length = run.start, run.length
     assert (start, length) == (0, 25)  # rows 16 + 8 + ... of the 49 elements: the longer row
-    assert zero.state_bytes() == 4 * 25 * len(zero._buffers) + 8 * len(shapes)
+    assert zero.state_bytes() == 4 * 25 * len(zero.storage.buffers) + 8 * len(shapes)
     gm = trace(fn, *args(), world_size=2)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     ops = Counter(getattr(n.target, "__name__", str(n.target)) for n in nodes)
-    assert ops["index_put.default"] == len(zero._buffers) + 1, ops  # one slice per state, the step counts
+    assert ops["index_put.default"] == len(zero.storage.buffers) + 1, ops  # one slice per state, the step counts
     # the update: the arithmetic between reading the own row and broadcasting, over the row only
     # (the step scalars are one per member); before, every member's update, at its own size
     names = [getattr(n.target, "__name__", "") for n in nodes]
@@ -491,7 +492,7 @@ def partial_step_worker(rank, world_size, compiled):
         if sharded:
             opt = ZeroOptimizer(net.parameters(), cls, **kw)
             ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), hook_with_zero_step(ch.allreduce_hook, ddp, opt))
-            assert [len(key) for key in opt._rows] == [9], opt._rows  # one bucket, planned
+            assert [len(key) for key in opt.storage.runs] == [9], opt.storage.runs  # one bucket, planned
         else:
             opt = cls(net.parameters(), foreach=False, **kw)
         history, uniform = [], []
@@ -501,7 +502,7 @@ def partial_step_worker(rank, world_size, compiled):
                 grad = torch.linspace(-1, 1, bias.numel())
                 if sharded:
                     opt.update(1, grad)
-                    uniform.append(opt._uniform_steps)
+                    uniform.append(opt.storage.uniform_steps)
                 else:
                     opt.zero_grad(set_to_none=True)
                     bias.grad = grad

@@ -1,107 +1,113 @@
-"""A rank's flat slice of a tensor, as ``torch.distributed.checkpoint`` (DCP) chunks.
+"""A :class:`~compiled_hooks.zero.ZeroOptimizer`'s checkpoints, in three forms:
 
-With ``shard_buckets`` every rank keeps elements ``lo .. hi`` of each parameter's state, counted
-in the parameter's flat (row-major) order. DCP stores rectangular chunks of a tensor of known
-global shape and reshards them on load, so :class:`FlatShard` describes the slice as the few
-rectangular boxes it is made of, each one a contiguous view of the rank's slice::
+- this rank's part (:func:`local_state`), without communication: every parameter's step, and
+  the state this rank keeps, for ``torch.distributed.checkpoint`` (DCP) to save from every rank
+  and reshard on load (a ``shard_buckets`` slice is a :class:`~.flat_shard.FlatShard`);
+- the whole state on one rank (:func:`consolidated_state`), in ``torch.optim`` form, for a
+  one-file checkpoint;
+- loading any of them, or a plain ``torch.optim`` state dict (:func:`load_state`).
 
-    shape (4, 5), elements 7 .. 18:   row 1: cols 2..4   -> box (1, 2) + (1, 3)
-                                      rows 2..2: all     -> box (2, 0) + (1, 5)
-                                      row 3: cols 0..2   -> box (3, 0) + (1, 3)
-
-A checkpoint saved this way holds the parameter's state at the parameter's shape: any world
-size, ``shard_buckets`` or not, or a plain torch optimizer, loads it.
+Parameters map by position, as in ``torch.optim``.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["FlatShard", "flat_boxes"]
+from .flat_shard import FlatShard, flat_boxes
+from .storage import Storage
 
-Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, first flat element)
-
-
-def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
-    """Elements ``lo .. hi`` (row-major) of a tensor of ``shape`` as rectangular boxes, each
-    contiguous in memory, in order."""
-    if lo >= hi:
-        return []
-    if len(shape) <= 1:
-        return [((lo,), (hi - lo,), lo)] if shape else [((), (), lo)]
-    inner = math.prod(shape[1:])
-    boxes: list[Box] = []
-
-    def within_row(row: int, a: int, b: int) -> None:
-        for offsets, sizes, first in flat_boxes(shape[1:], a - row * inner, b - row * inner):
-            boxes.append(((row, *offsets), (1, *sizes), row * inner + first))
-
-    if lo % inner:  # a partial first row
-        end = min(hi, (lo // inner + 1) * inner)
-        within_row(lo // inner, lo, end)
-        lo = end
-    if hi // inner > lo // inner and lo % inner == 0:  # whole rows
-        rows = hi // inner - lo // inner
-        boxes.append(((lo // inner,) + (0,) * (len(shape) - 1), (rows, *shape[1:]), lo))
-        lo += rows * inner
-    if lo < hi:  # a partial last row
-        within_row(lo // inner, lo, hi)
-    return boxes
+__all__ = ["FlatShard", "consolidated_state", "flat_boxes", "load_state", "local_entry", "local_state"]
 
 
-class FlatShard(torch.Tensor):
-    """Elements ``lo .. lo + local.numel()`` of a tensor of ``shape``, held by this rank as the
-    1-D ``local`` (a view of its state, written in place when DCP loads).
+def local_entry(storage: Storage, steps: torch.Tensor, i: int) -> dict[str, Any]:
+    """Parameter ``i``'s entry in this rank's part: its step, and the state this rank keeps of
+    it (whole parameters: all of it on the owner, nothing elsewhere; ``shard_buckets``: a
+    :class:`~.flat_shard.FlatShard` of this rank's slice)."""
+    return {"step": steps[i].to(torch.float32).cpu(), **storage.checkpoint_state(i)}
 
-    A tensor of the global shape that holds no data of its own (DCP finds state-dict entries by
-    ``isinstance(value, torch.Tensor)``), implementing DCP's checkpointable protocol as
-    ``DTensor`` does: ``__create_write_items__``, ``__create_chunk_list__``,
-    ``__get_tensor_shard__``. No operator runs on it: read ``local``."""
 
-    local: torch.Tensor
-    lo: int
-    boxes: list[Box]
+def local_state(storage: Storage, steps: torch.Tensor, groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """This rank's part: ``{"state": {index: entry}, "param_groups": groups}``."""
+    return {"state": {i: local_entry(storage, steps, i) for i in range(len(storage.params))}, "param_groups": groups}
 
-    @staticmethod
-    def __new__(cls, local: torch.Tensor, shape: tuple[int, ...], lo: int) -> "FlatShard":
-        shard = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
-        shard.local, shard.lo = local, lo
-        shard.boxes = flat_boxes(tuple(shape), lo, lo + local.numel())
-        return shard
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+@torch.no_grad()
+def consolidated_state(storage: Storage, steps: torch.Tensor, groups: list[dict[str, Any]], to: int
+                       ) -> Optional[dict[str, Any]]:
+    """The whole state, full tensors at the parameters' shapes, on rank ``to`` of the group
+    (``None`` elsewhere). Collective: every rank of the group calls it. Parameters that never
+    stepped have no entry, as in ``torch.optim``."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for i in range(len(storage.params)):
+        step = float(steps[i])
+        if step == 0:
+            continue
+        full = {"step": torch.tensor(step, dtype=torch.float32)}
+        for k, t in storage.state_of(i).items():
+            whole = storage.gather(i, t, to)
+            if whole is not None:
+                full[k] = whole
+        state[i] = full
+    return {"state": state, "param_groups": groups} if storage.rank == to else None
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise TypeError(f"FlatShard is one rank's slice of a tensor, for checkpoints; {func} does not run on it "
-                        "(its elements are in .local)")
 
-    def _view(self, sizes: tuple[int, ...], first: int) -> torch.Tensor:
-        at = first - self.lo
-        return self.local[at:at + math.prod(sizes)].view(sizes)
+@torch.no_grad()
+def load_state(storage: Storage, steps: torch.Tensor, param_groups: list[dict[str, Any]],
+               state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` (any of the three forms, or a ``torch.optim`` one) into ``storage``
+    and ``steps``, and its hyperparameters into ``param_groups`` (set one by one, checked as a
+    scheduler's changes are). Each rank takes what it keeps."""
+    groups = state_dict.get("param_groups", [])
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in param_groups]:
+        raise ValueError(f"ZeroOptimizer.load_state_dict: expected parameter groups of "
+                         f"{[len(g['params']) for g in param_groups]} parameters, got "
+                         f"{[len(g['params']) for g in groups]}")
+    position = {key: i for i, key in enumerate(key for g in groups for key in g["params"])}
+    unknown = [key for key in state_dict["state"] if key not in position]
+    if unknown:
+        raise ValueError(f"ZeroOptimizer.load_state_dict: state for parameters {unknown[:5]} that no group lists")
+    for group, saved in zip(param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    # Loaded into fresh tensors, then copied into the live ones: the state dict's tensors may be
+    # views of the live ones (DCP loads into this optimizer's own state_dict()).
+    live = storage.containers()
+    fresh = [{k: torch.zeros_like(t) for k, t in d.items()} for d in live]
+    storage.set_containers(fresh)
+    steps.zero_()
+    for key, saved in state_dict["state"].items():
+        _load_entry(storage, steps, position[key], saved)
+    for old, new in zip(live, fresh):
+        for k, t in old.items():
+            t.copy_(new[k])
+    storage.set_containers(live)
+    storage.set_steps(steps.tolist())
 
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        properties = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                              properties=properties, size=self.size()))
-                for offsets, sizes, _ in self.boxes]
 
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                for offsets, sizes, _ in self.boxes]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, sizes, first in self.boxes:
-            if torch.Size(offsets) == index.offset:
-                return self._view(sizes, first)
-        raise ValueError(f"FlatShard: no chunk at {index.offset} for {index.fqn!r}")
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
-        return f"FlatShard(shape={tuple(self.shape)}, elements {self.lo}..{self.lo + self.local.numel()})"
+def _load_entry(storage: Storage, steps: torch.Tensor, i: int, saved: dict[str, Any]) -> None:
+    p = storage.params[i]
+    names = list(storage.state_of(i))
+    if "step" in saved:
+        steps[i] = float(saved["step"])
+    elif any(k in saved for k in names):  # torch's SGD keeps no step count
+        steps[i] = 1.0
+    if not storage.keeps(i):
+        return
+    values = {}
+    for k in names:
+        value = saved.get(k)
+        if value is None:
+            if float(steps[i]) > 0:
+                raise ValueError(f"ZeroOptimizer.load_state_dict: parameter {i} stepped but its state {k!r} "
+                                 "is missing on the rank that keeps it (a rank's part of a state dict loads only "
+                                 "on that rank; use torch.distributed.checkpoint to reshard)")
+            continue
+        if not isinstance(value, FlatShard):
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"ZeroOptimizer.load_state_dict: state {k!r} of parameter {i} has shape "
+                                 f"{tuple(value.shape)}, expected {tuple(p.shape)}")
+            value = value.to(device=p.device, dtype=p.dtype)
+        values[k] = value
+    storage.load(i, values)

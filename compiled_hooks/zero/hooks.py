@@ -42,12 +42,8 @@ class ZeroStep:
                  bucket_bytes: int = 25 * 1024 * 1024, first_bucket_bytes: int = 1024 * 1024,
                  order: Optional[list[int]] = None):
         self.hook, self.zero, self.interleaved = hook, zero, interleaved
-        if zero.shard_buckets:
-            nbytes = [zero.world_size * c * p.element_size() for c, p in zip(zero._chunks, zero.params)]
-        else:
-            nbytes = [p.numel() * p.element_size() for p in zero.params]
-        self.planned = plan_buckets(nbytes, None if zero.shard_buckets else zero.owner, zero.world_size,
-                                    first_bucket_bytes, bucket_bytes, order)
+        self.planned = plan_buckets(zero.bucket_nbytes(), zero.owner, zero.world_size, first_bucket_bytes,
+                                    bucket_bytes, order)
         self.bucket_of = {i: b for b, members in enumerate(self.planned) for i in members}
         self.arrived: dict[int, torch.Tensor] = {}  # this backward's gradients not yet in a closed bucket
         self.missing = [len(members) for members in self.planned]  # per planned bucket, in this backward
@@ -127,7 +123,7 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
         raise ValueError(f"{name}: the ZeroOptimizer clips gradients (max_norm={zero.max_norm}), which needs the norm of "
                          "every gradient before the first update, but the interleaved schedule updates each bucket "
                          "as soon as it is reduced; use hook_with_zero_step (the step after backward)")
-    if zero._optimizer_step_pre_hooks or zero._optimizer_step_post_hooks:
+    if zero.has_step_hooks():
         raise ValueError(f"{name}: the ZeroOptimizer has step hooks, which run around step(); with the ZeRO hooks the "
                          "update runs inside the backward, where they would not run")
     trained = [p for p in ddp.module.parameters() if p.requires_grad]
@@ -146,10 +142,7 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
     core = ZeroStep(hook, zero, interleaved, bucket_bytes=ddp.bucket_bytes_cap,
                     first_bucket_bytes=getattr(config, "first_bucket_bytes_cap", ddp.bucket_bytes_cap),
                     order=[zero.index_of(p) for p in trained])
-    zero._hooks_built = True
-    # The step runs inside backward, never through zero.step(): mark it called, as a scheduler's
-    # check that step() ran before scheduler.step() expects.
-    zero._opt_called = True
+    zero.attach_hooks()
 
     def zero_hook(state, bucket):
         if isinstance(bucket, tuple):  # python reducer: (param.grad, param), once per parameter
@@ -163,7 +156,7 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
         buffer, params = bucket.buffer(), bucket.parameters()
         views = list(buffer.split([p.numel() for p in params]))
         items = [(zero.index_of(p), v.view_as(p)) for p, v in zip(params, views)]
-        if zero.shard_buckets:  # reduced rank-major in ZeRO's own layout, here and now
+        if not zero.storage.reduces_ddp_buckets:  # reduced in ZeRO's own layout, here and now
             core.close(state, items)
             fut = completed(buffer)
         else:
