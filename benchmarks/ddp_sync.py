@@ -51,23 +51,30 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_def
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_ddp import TinyTransformer, batch  # noqa: E402
+import results
+from launch import add_link_argument, describe_link, launch
+from train_ddp import TinyTransformer, batch
 
-import compiled_hooks as ch  # noqa: E402
-import passes  # noqa: E402
-from launch import add_link_argument, describe_link, launch  # noqa: E402
-import results  # noqa: E402
+import compiled_hooks as ch
+import passes
 
-MODELS = {"mlp-32x256": ("mlp", 256, 32, 32), "mlp-32x256-b128": ("mlp", 256, 32, 128),
-          "mlp-8x1024": ("mlp", 1024, 8, 32),
-          "transformer-small": ("transformer", 64, 4, 8), "transformer-medium": ("transformer", 256, 4, 8)}
+MODELS = {
+    "mlp-32x256": ("mlp", 256, 32, 32),
+    "mlp-32x256-b128": ("mlp", 256, 32, 128),
+    "mlp-8x1024": ("mlp", 1024, 8, 32),
+    "transformer-small": ("transformer", 64, 4, 8),
+    "transformer-medium": ("transformer", 256, 4, 8),
+}
 PEERS = ["eager DDP", "eager DDP + torch fp16 hook", "compiled + bf16 hook + torch bucketing"]
 OURS = ["compiled + bf16 hook + passes"]
 CONFIGS = PEERS + OURS + ["compiled + bf16 hook", "compute alone (compiled, no DDP)"]
 STEP = "ddp_sync step"
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
-COLLECTIVES = ("_c10d_functional::all_reduce_", "_c10d_functional::reduce_scatter_tensor",
-               "c10d::allreduce_")
+COLLECTIVES = (
+    "_c10d_functional::all_reduce_",
+    "_c10d_functional::reduce_scatter_tensor",
+    "c10d::allreduce_",
+)
 
 
 def make_model(name: str, extra_dims: int) -> tuple[nn.Module, tuple, torch.Tensor]:
@@ -77,7 +84,9 @@ def make_model(name: str, extra_dims: int) -> tuple[nn.Module, tuple, torch.Tens
     kind, width, depth, batch_size = MODELS[name]
     torch.manual_seed(0)
     if kind == "mlp":
-        net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+        net = nn.Sequential(
+            *[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
+        )
         g = torch.Generator().manual_seed(dist.get_rank())
         inputs = (torch.randn(batch_size, width, generator=g),)
         target = torch.randn(batch_size, width, generator=g)
@@ -106,13 +115,19 @@ class Config:
         if name.startswith("eager"):
             self.model = DistributedDataParallel(self.net)
             if "fp16" in name:
-                self.model.register_comm_hook(dist.group.WORLD, ddp_default_hooks.fp16_compress_hook)
-            self.wire_bytes = elements * (2 if "fp16" in name else 4)  # every parameter, in DDP's buckets
+                self.model.register_comm_hook(
+                    dist.group.WORLD, ddp_default_hooks.fp16_compress_hook
+                )
+            self.wire_bytes = elements * (
+                2 if "fp16" in name else 4
+            )  # every parameter, in DDP's buckets
         elif name.startswith("compute"):
             self.model = torch.compile(self.net)
             self.wire_bytes = 0
         else:
-            _, self.model = ch.compile_ddp(self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+            _, self.model = ch.compile_ddp(
+                self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook
+            )
         self.inductor_config = {"bucket_all_reduces_fx": "all"} if "torch bucketing" in name else {}
         self.pipeline = passes.default_pipeline(**pipeline_options) if "passes" in name else None
 
@@ -148,11 +163,22 @@ class Config:
         functional = [e for e in events if e.name.startswith("_c10d_functional")]
         self.collectives = len(functional or events) / steps
         if self.wire_bytes is None:
-            self.wire_bytes = sum(_numel(e.input_shapes[0]) * _itemsize(e.input_dtypes[0]) for e in functional) / steps
-        waits = [e for e in prof.events() if e.name == "_c10d_functional::wait_tensor"
-                 and (e.cpu_parent is None or e.cpu_parent.name != e.name)]  # the op, not its kernel
-        self.exposed_ms = sum(e.cpu_time_total for e in waits) / 1e3 / steps if self.compiled else None
-        self.matmul_ms = sum(e.cpu_time_total for e in prof.events() if e.name in MATMULS) / 1e3 / steps
+            self.wire_bytes = (
+                sum(_numel(e.input_shapes[0]) * _itemsize(e.input_dtypes[0]) for e in functional)
+                / steps
+            )
+        waits = [
+            e
+            for e in prof.events()
+            if e.name == "_c10d_functional::wait_tensor"
+            and (e.cpu_parent is None or e.cpu_parent.name != e.name)
+        ]  # the op, not its kernel
+        self.exposed_ms = (
+            sum(e.cpu_time_total for e in waits) / 1e3 / steps if self.compiled else None
+        )
+        self.matmul_ms = (
+            sum(e.cpu_time_total for e in prof.events() if e.name in MATMULS) / 1e3 / steps
+        )
 
 
 def timeline(events: list) -> list[str]:
@@ -166,19 +192,31 @@ def timeline(events: list) -> list[str]:
     def span(e) -> str:
         return f"{(e.time_range.start - t0) / 1e3:.1f}-{(e.time_range.end - t0) / 1e3:.1f}"
 
-    inside = sorted((e for e in events if t0 <= e.time_range.start and e.time_range.end <= t1),
-                    key=lambda e: e.time_range.start)
+    inside = sorted(
+        (e for e in events if t0 <= e.time_range.start and e.time_range.end <= t1),
+        key=lambda e: e.time_range.start,
+    )
     issued = [e for e in inside if e.name in COLLECTIVES and e.name.startswith("_c10d_functional")]
     moved = [e for e in inside if e.name.split(":")[0] in ("gloo", "nccl")]
-    waits = [e for e in inside if e.name == "_c10d_functional::wait_tensor"
-             and (e.cpu_parent is None or e.cpu_parent.name != e.name)]
+    waits = [
+        e
+        for e in inside
+        if e.name == "_c10d_functional::wait_tensor"
+        and (e.cpu_parent is None or e.cpu_parent.name != e.name)
+    ]
     forward = [span(e) for e in inside if e.name == "CompiledFunction"]
     matmuls = [e.time_range.end for e in inside if e.name in MATMULS]
     last_matmul = f"{(max(matmuls) - t0) / 1e3:.1f}" if matmuls else "-"
-    lines = [f"step {(t1 - t0) / 1e3:.1f} ms; compiled forward {', '.join(forward) or '-'}; last matmul ends {last_matmul}"]
-    lines += [f"collective {i}: issued {span(a)}, backend {span(m) if m else '-'}, waited {span(w) if w else '-'}"
-              for i, (a, m, w) in enumerate(itertools.zip_longest(issued, moved[: len(issued)], waits))
-              if a is not None]
+    lines = [
+        f"step {(t1 - t0) / 1e3:.1f} ms; compiled forward {', '.join(forward) or '-'}; last "
+        f"matmul ends {last_matmul}"
+    ]
+    lines += [
+        f"collective {i}: issued {span(a)}, backend {span(m) if m else '-'}, waited "
+        f"{span(w) if w else '-'}"
+        for i, (a, m, w) in enumerate(itertools.zip_longest(issued, moved[: len(issued)], waits))
+        if a is not None
+    ]
     return lines
 
 
@@ -231,7 +269,9 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
     """Time, profile and print one model's table (rank 0); returns it for ``results``."""
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
-    names = [n for n in CONFIGS if n.startswith("eager")] + [n for n in CONFIGS if not n.startswith("eager")]
+    names = [n for n in CONFIGS if n.startswith("eager")] + [
+        n for n in CONFIGS if not n.startswith("eager")
+    ]
     configs = [Config(n, model, i, pipeline_options) for i, n in enumerate(names)]
     for c in configs:
         counters["passes"].clear()
@@ -240,7 +280,7 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
         c.step()  # compiled autograd may build one more graph per model on the second step
         c.compile_s, c.passes_s = time.perf_counter() - t0, counters["passes"]["pipeline: us"] / 1e6
     for i in range(steps):
-        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+        for c in configs[i % len(configs) :] + configs[: i % len(configs)]:
             dist.barrier()
             t0 = time.perf_counter()
             c.step()
@@ -262,38 +302,76 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
     bound = max(fwd + first + wire, compute)
     tensors = sum(1 for _ in configs[0].net.parameters()) - 1
     print(f"\n### {model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)\n")
-    print("| configuration | median step (ms) | vs best peer | vs bound | collectives/step | MB to collectives/step "
-          "| exposed communication (ms/step) | matmuls (ms/step) |")
+    print(
+        "| configuration | median step (ms) | vs best peer | vs bound | collectives/step | MB to "
+        "collectives/step | exposed communication (ms/step) | matmuls (ms/step) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    rows = [dict(config=c.name, median_ms=median[c.name], vs_best_peer=median[c.name] / median[best_peer],
-                 vs_bound=median[c.name] / bound, collectives=c.collectives, mb=c.wire_bytes / 2**20,
-                 exposed_ms=c.exposed_ms, matmul_ms=c.matmul_ms) for c in configs]
+    rows = [
+        dict(
+            config=c.name,
+            median_ms=median[c.name],
+            vs_best_peer=median[c.name] / median[best_peer],
+            vs_bound=median[c.name] / bound,
+            collectives=c.collectives,
+            mb=c.wire_bytes / 2**20,
+            exposed_ms=c.exposed_ms,
+            matmul_ms=c.matmul_ms,
+        )
+        for c in configs
+    ]
     for r in rows:
         exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.1f}"
-        print(f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_best_peer']:.2f}x | {r['vs_bound']:.2f}x "
-              f"| {r['collectives']:g} | {r['mb']:.1f} | {exposed} | {r['matmul_ms']:.1f} |")
-    print(f"\nthe passes took {ours.passes_s * 1e3:.0f} ms of the {ours.compile_s:.1f} s its first two steps took "
-          f"(compile included; {ours.passes_s / ours.compile_s:.1%}; 0 when Inductor served the graphs from its cache).")
-    print(f"\ntimeline of one profiled step of {ours.name} on every rank (ms from the step's start; every collective's "
-          "issue, its time in the backend's thread, its wait):\n")
+        print(
+            f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_best_peer']:.2f}x | "
+            f"{r['vs_bound']:.2f}x | {r['collectives']:g} | {r['mb']:.1f} | {exposed} | "
+            f"{r['matmul_ms']:.1f} |"
+        )
+    print(
+        f"\nthe passes took {ours.passes_s * 1e3:.0f} ms of the {ours.compile_s:.1f} s its first "
+        f"two steps took (compile included; {ours.passes_s / ours.compile_s:.1%}; 0 when Inductor "
+        "served the graphs from its cache)."
+    )
+    print(
+        f"\ntimeline of one profiled step of {ours.name} on every rank (ms from the step's start; "
+        "every collective's issue, its time in the backend's thread, its wait):\n"
+    )
     for r, lines in enumerate(timelines):
         print(f"  rank {r}:\n" + "\n".join("    " + line for line in lines))
-    print(f"\nbest peer: {best_peer}. Bound {bound:.1f} ms = max(forward {fwd:.1f} + first gradient {first:.1f} "
-          f"+ wire time of all gradients in bf16 {wire:.1f}, compute alone {compute:.1f}); forward and first "
-          f"gradient timed eagerly, wire time as one all_reduce of {elements / 1e6:.2f}M bf16 elements, which also "
-          f"took {wire_cpu:.1f} ms of CPU time in each rank's process.")
-    return results.table(f"{model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)", rows,
-                         ratio="vs_best_peer", bound_ms=bound,
-                         note=f"forward {fwd:.1f} + first gradient {first:.1f} + wire {wire:.1f} ms; "
-                              f"compute alone {compute:.1f} ms")
+    print(
+        f"\nbest peer: {best_peer}. Bound {bound:.1f} ms = max(forward {fwd:.1f} + first gradient "
+        f"{first:.1f} + wire time of all gradients in bf16 {wire:.1f}, compute alone "
+        f"{compute:.1f}); forward and first gradient timed eagerly, wire time as one all_reduce "
+        f"of {elements / 1e6:.2f}M bf16 elements, which also took {wire_cpu:.1f} ms of CPU time "
+        "in each rank's process."
+    )
+    return results.table(
+        f"{model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)",
+        rows,
+        ratio="vs_best_peer",
+        bound_ms=bound,
+        note=f"forward {fwd:.1f} + first gradient {first:.1f} + wire {wire:.1f} ms; "
+        f"compute alone {compute:.1f} ms",
+    )
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if rank == 0:
-        print(f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per configuration, medians "
-              f"on rank 0; torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
-    tables = [run_model(rank, model, args.steps, {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {})
-              for model in args.models]
+        print(
+            f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per "
+            f"configuration, medians on rank 0; torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d')}",
+            flush=True,
+        )
+    tables = [
+        run_model(
+            rank,
+            model,
+            args.steps,
+            {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {},
+        )
+        for model in args.models
+    ]
     if rank == 0:
         results.write(args, "ddp_sync", describe_link(), tables)
     return True
@@ -302,8 +380,15 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--models", nargs="+", default=["mlp-32x256", "mlp-32x256-b128", "mlp-8x1024"], choices=list(MODELS))
-    parser.add_argument("--bucket-cap-mb", type=float, help="the passes' bucket cap (default: the pipeline's)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["mlp-32x256", "mlp-32x256-b128", "mlp-8x1024"],
+        choices=list(MODELS),
+    )
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, help="the passes' bucket cap (default: the pipeline's)"
+    )
     add_link_argument(parser)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)

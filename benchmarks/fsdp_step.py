@@ -1,4 +1,5 @@
-"""FSDP training steps: compile-native ``data_parallel`` against FSDP2 and a SimpleFSDP-style compile.
+"""FSDP training steps: compile-native ``data_parallel`` against FSDP2 and a SimpleFSDP-style
+compile.
 
     python benchmarks/fsdp_step.py                 # 2 CPU ranks over loopback
     python benchmarks/fsdp_step.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
@@ -51,14 +52,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_ddp import TinyTransformer, synchronize  # noqa: E402
+import results
+from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms
+from train_ddp import TinyTransformer, synchronize
 
-import passes  # noqa: E402
-from compiled_hooks.fsdp import data_parallel  # noqa: E402
-from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms  # noqa: E402
-from passes._graph import ALL_TO_ALL_CHUNK_BYTES  # noqa: E402
-from passes.testing import gathered_bytes_alive, partitioned_graphs  # noqa: E402
-import results  # noqa: E402
+import passes
+from compiled_hooks.fsdp import data_parallel
+from passes._graph import ALL_TO_ALL_CHUNK_BYTES
+from passes.testing import gathered_bytes_alive, partitioned_graphs
 
 INDUCTOR_FSDP_BUCKETING = {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all"}
 
@@ -92,18 +93,23 @@ def simple_fsdp(model: nn.Module, mesh, mp: MixedPrecisionPolicy) -> nn.Module:
     world = mesh.size()
 
     def read(self, name):
-        full = self._parameters[name].redistribute(placements=[Replicate()], forward_dtype=mp.param_dtype,
-                                                   backward_dtype=mp.reduce_dtype)
+        full = self._parameters[name].redistribute(
+            placements=[Replicate()], forward_dtype=mp.param_dtype, backward_dtype=mp.reduce_dtype
+        )
         return _Average.apply(full.to_local(grad_placements=[Partial()]), world)
 
     for m in list(model.modules()):
         names = [n for n, p in m._parameters.items() if p is not None]
         for n in names:
-            m._parameters[n] = nn.Parameter(distribute_tensor(m._parameters[n].detach(), mesh, [Shard(0)],
-                                                              src_data_rank=None))
+            m._parameters[n] = nn.Parameter(
+                distribute_tensor(m._parameters[n].detach(), mesh, [Shard(0)], src_data_rank=None)
+            )
         if names:
-            m.__class__ = type(f"Simple{type(m).__name__}", (type(m),),
-                               {n: property(lambda self, n=n: read(self, n)) for n in names})
+            m.__class__ = type(
+                f"Simple{type(m).__name__}",
+                (type(m),),
+                {n: property(lambda self, n=n: read(self, n)) for n in names},
+            )
     return model
 
 
@@ -144,7 +150,9 @@ class Config:
         else:
             reshard = "reshard" in name
             self.installed = "passes" in name
-            self.net = data_parallel(net, mesh, mp_policy=mp, reshard_after_forward=reshard, blocks=blocks)
+            self.net = data_parallel(
+                net, mesh, mp_policy=mp, reshard_after_forward=reshard, blocks=blocks
+            )
             self.run = torch.compile(self.net, fullgraph=True)
 
     def _cast(self, dtype) -> torch.Tensor:
@@ -168,23 +176,35 @@ class Config:
         if not hasattr(self, "net"):
             return
         graphs = partitioned_graphs(
-            lambda compile: compile(self.net, fullgraph=True)(self.x).float().square().mean().backward())
-        self.peak_mb = max(max(gathered_bytes_alive(gm.graph), default=0) for _, gm in graphs) / 2**20
+            lambda compile: (
+                compile(self.net, fullgraph=True)(self.x).float().square().mean().backward()
+            )
+        )
+        self.peak_mb = (
+            max(max(gathered_bytes_alive(gm.graph), default=0) for _, gm in graphs) / 2**20
+        )
 
 
 _ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
 # collective -> which input holds its full size, and whether that input is one rank's part of it
-_FULL_SIZE = {"_c10d_functional::all_gather_into_tensor": (0, True), "_c10d_functional::reduce_scatter_tensor": (0, False),
-              "_c10d_functional::all_to_all_single": (0, False), "_c10d_functional::all_reduce": (0, False),
-              "c10d::_allgather_base_": (0, False), "c10d::_reduce_scatter_base_": (1, False),
-              "c10d::allreduce_": (0, False)}
+_FULL_SIZE = {
+    "_c10d_functional::all_gather_into_tensor": (0, True),
+    "_c10d_functional::reduce_scatter_tensor": (0, False),
+    "_c10d_functional::all_to_all_single": (0, False),
+    "_c10d_functional::all_reduce": (0, False),
+    "c10d::_allgather_base_": (0, False),
+    "c10d::_reduce_scatter_base_": (1, False),
+    "c10d::allreduce_": (0, False),
+}
 
 
 def record_collectives(step, world: int) -> list[tuple[str, list[int], str, int]]:
     """The collectives one ``step()`` issues, from the profiler's recorded shapes: (name, shape of
     the input that holds its size, dtype, full size in bytes: an all-gather's output, a
     reduce-scatter's, all-to-all's or all-reduce's input)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+    ) as prof:
         step()
     calls = []
     for e in prof.events():
@@ -197,7 +217,9 @@ def record_collectives(step, world: int) -> list[tuple[str, list[int], str, int]
         numel = 1
         for d in shape:
             numel *= d
-        calls.append((e.name, list(shape), dtype, numel * _ITEMSIZE.get(dtype, 4) * (world if part else 1)))
+        calls.append(
+            (e.name, list(shape), dtype, numel * _ITEMSIZE.get(dtype, 4) * (world if part else 1))
+        )
     return calls
 
 
@@ -208,7 +230,10 @@ def replay_ms(calls: list[tuple[str, list[int], str, int]], world: int, reps: in
     """Median time of the same collectives issued back to back with nothing else: what gloo
     needs for them on this link, against which the step's own overlap is judged."""
     group = dist.group.WORLD
-    tensors = [(name, torch.zeros(shape, dtype=_DTYPE.get(dtype, torch.float32))) for name, shape, dtype, _ in calls]
+    tensors = [
+        (name, torch.zeros(shape, dtype=_DTYPE.get(dtype, torch.float32)))
+        for name, shape, dtype, _ in calls
+    ]
 
     def once() -> None:
         for name, x in tensors:
@@ -231,7 +256,9 @@ def replay_ms(calls: list[tuple[str, list[int], str, int]], world: int, reps: in
 def under_traffic_ms(step, traffic, world: int, seconds: float, rate: float | None) -> float:
     """Median time of ``step()`` while a thread sends all_to_alls on the ``traffic`` group for
     about ``seconds`` at ``rate`` (a fixed number of rounds, the same on every rank)."""
-    piece = torch.ones(world * ALL_TO_ALL_CHUNK_BYTES // 2, dtype=torch.bfloat16)  # one chunk per destination
+    piece = torch.ones(
+        world * ALL_TO_ALL_CHUNK_BYTES // 2, dtype=torch.bfloat16
+    )  # one chunk per destination
     per_round = 4 * (world - 1) * ALL_TO_ALL_CHUNK_BYTES
     rounds = torch.tensor([max(20, int(seconds * (rate or 1e9) / per_round))])
     dist.all_reduce(rounds, dist.ReduceOp.MAX)  # every rank sends as many
@@ -256,13 +283,19 @@ def under_traffic_ms(step, traffic, world: int, seconds: float, rate: float | No
 
 PEERS_KEEP = ["SimpleFSDP-style + Inductor bucketing"]
 PEERS_RESHARD = ["FSDP2 eager", "FSDP2 compiled per block"]
-OURS = ["data_parallel keep", "data_parallel keep + passes", "data_parallel reshard",
-        "data_parallel reshard + passes"]
+OURS = [
+    "data_parallel keep",
+    "data_parallel keep + passes",
+    "data_parallel reshard",
+    "data_parallel reshard + passes",
+]
 CONFIGS = PEERS_RESHARD + PEERS_KEEP + OURS + ["compute alone (compiled, unsharded)"]
 TRAFFIC_ROW = "compute alone, gloo traffic at the link rate alongside"
 
 
-def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: str | None, traffic) -> dict | None:
+def run_model(
+    rank: int, world: int, model: str, param_dtype, steps: int, link: str | None, traffic
+) -> dict | None:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (world,))
     configs = [Config(n, model, i, mesh, param_dtype) for i, n in enumerate(CONFIGS)]
@@ -274,13 +307,15 @@ def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: 
         c.alone_ms = replay_ms(calls, world) if calls else 0.0
         c.measure_peak()
     for i in range(steps):
-        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+        for c in configs[i % len(configs) :] + configs[: i % len(configs)]:
             dist.barrier()
             t0 = time.perf_counter()
             c.step()
             c.times.append(time.perf_counter() - t0)
     rate = link_bytes_per_s(link)
-    busy = under_traffic_ms(configs[-1].step, traffic, world, steps * statistics.median(configs[-1].times), rate)
+    busy = under_traffic_ms(
+        configs[-1].step, traffic, world, steps * statistics.median(configs[-1].times), rate
+    )
     if rank != 0:
         return None
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
@@ -288,8 +323,10 @@ def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: 
     dtype = "fp32" if param_dtype is None else "bf16"
     title = f"{model}, param_dtype {dtype}, reduce bf16"
     print(f"\n### {title}\n")
-    print("| configuration | median step (ms) | vs peer | vs bound | vs its collectives alone | collectives/step "
-          "| MB/step | peak gathered MB |")
+    print(
+        "| configuration | median step (ms) | vs peer | vs bound | vs its collectives alone | "
+        "collectives/step | MB/step | peak gathered MB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     best_keep = min(PEERS_KEEP, key=median.__getitem__)
     rows = []
@@ -297,33 +334,68 @@ def run_model(rank: int, world: int, model: str, param_dtype, steps: int, link: 
         peer = best_keep if "keep" in c.name or c.name.startswith("SimpleFSDP") else "FSDP2 eager"
         wire = c.mb * 2**20 * (world - 1) / world / rate * 1e3 if rate else 0.0
         bound = max(wire, compute)
-        rows.append(dict(config=c.name, median_ms=median[c.name], vs_peer=median[c.name] / median[peer],
-                         vs_bound=median[c.name] / bound, alone_ms=c.alone_ms,
-                         vs_alone=median[c.name] / c.alone_ms if c.alone_ms else None, collectives=c.collectives, mb=c.mb,
-                         peak_gathered_mb=c.peak_mb, bound_ms=bound, peer=peer))
-    rows.append(dict(config=TRAFFIC_ROW, median_ms=busy, vs_peer=busy / median["FSDP2 eager"], vs_bound=busy / compute,
-                     alone_ms=0.0, vs_alone=None, collectives=0, mb=0.0, peak_gathered_mb=None, bound_ms=compute,
-                     peer="FSDP2 eager"))
+        rows.append(
+            dict(
+                config=c.name,
+                median_ms=median[c.name],
+                vs_peer=median[c.name] / median[peer],
+                vs_bound=median[c.name] / bound,
+                alone_ms=c.alone_ms,
+                vs_alone=median[c.name] / c.alone_ms if c.alone_ms else None,
+                collectives=c.collectives,
+                mb=c.mb,
+                peak_gathered_mb=c.peak_mb,
+                bound_ms=bound,
+                peer=peer,
+            )
+        )
+    rows.append(
+        dict(
+            config=TRAFFIC_ROW,
+            median_ms=busy,
+            vs_peer=busy / median["FSDP2 eager"],
+            vs_bound=busy / compute,
+            alone_ms=0.0,
+            vs_alone=None,
+            collectives=0,
+            mb=0.0,
+            peak_gathered_mb=None,
+            bound_ms=compute,
+            peer="FSDP2 eager",
+        )
+    )
     for r in rows:
         peak = "-" if r["peak_gathered_mb"] is None else f"{r['peak_gathered_mb']:.1f}"
         alone = "-" if r["vs_alone"] is None else f"{r['vs_alone']:.2f}x ({r['alone_ms']:.0f} ms)"
-        print(f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_peer']:.2f}x ({r['peer']}) | "
-              f"{r['vs_bound']:.2f}x ({r['bound_ms']:.0f} ms) | {alone} | {r['collectives']} | {r['mb']:.1f} | {peak} |")
-    print(f"\nbound per row: max(its collectives' bytes sent per rank at "
-          f"{'the link rate' if rate else 'an unknown rate (loopback: not counted)'}, compute alone {compute:.1f} ms); "
-          "collectives alone: the same collectives issued back to back with nothing else, the time gloo needs for "
-          "them here")
+        print(
+            f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_peer']:.2f}x ({r['peer']}) | "
+            f"{r['vs_bound']:.2f}x ({r['bound_ms']:.0f} ms) | {alone} | {r['collectives']} | "
+            f"{r['mb']:.1f} | {peak} |"
+        )
+    print(
+        "\nbound per row: max(its collectives' bytes sent per rank at "
+        f"{'the link rate' if rate else 'an unknown rate (loopback: not counted)'}, compute alone "
+        f"{compute:.1f} ms); collectives alone: the same collectives issued back to back with "
+        "nothing else, the time gloo needs for them here"
+    )
     return results.table(title, rows, ratio="vs_peer", note=f"compute alone {compute:.1f} ms")
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if rank == 0:
-        print(f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per configuration, medians "
-              f"on rank 0; torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+        print(
+            f"{describe_link()}, gloo, 1 thread each; {args.steps} interleaved steps per "
+            f"configuration, medians on rank 0; torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d')}",
+            flush=True,
+        )
     dtypes = {"fp32": None, "bf16": torch.bfloat16}
     traffic = dist.new_group(backend="gloo")  # for under_traffic_ms, on every rank
-    tables = [run_model(rank, world_size, model, dtypes[d], args.steps, args.link, traffic)
-              for model in args.models for d in args.param_dtypes]
+    tables = [
+        run_model(rank, world_size, model, dtypes[d], args.steps, args.link, traffic)
+        for model in args.models
+        for d in args.param_dtypes
+    ]
     if rank == 0:
         results.write(args, "fsdp_step", describe_link(), tables)
     return True
@@ -332,9 +404,15 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--models", nargs="+", default=["mlp-8x1024", "transformer"],
-                        choices=["mlp-8x1024", "transformer"])
-    parser.add_argument("--param-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["mlp-8x1024", "transformer"],
+        choices=["mlp-8x1024", "transformer"],
+    )
+    parser.add_argument(
+        "--param-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"]
+    )
     add_link_argument(parser)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)

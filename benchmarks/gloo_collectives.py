@@ -1,6 +1,6 @@
 """What one collective costs on gloo, against the time its bytes need on the link.
 
-    python benchmarks/gloo_collectives.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+    python benchmarks/gloo_collectives.py --link 2gbit  # 2 ranks, a 2 Gbit/s link (root, ip, tc)
 
 For tensors of 8 and 16 MB of bf16 (the full size: an all-gather's output, every other
 collective's input): all_reduce, the functional reduce_scatter_tensor, all_gather_into_tensor and
@@ -19,23 +19,65 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms  # noqa: E402
+from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms
 
-from passes._graph import ALL_TO_ALL_CHUNK_BYTES, chunk_bounds  # noqa: E402
+from passes._graph import ALL_TO_ALL_CHUNK_BYTES, chunk_bounds
 
 
 def _all_to_all_in_pieces(full: torch.Tensor, world: int, group) -> None:
     rows = full.view(world, -1)
-    pieces = [rows[:, lo:hi].contiguous() for lo, hi in chunk_bounds(rows.shape[1], full.element_size(),
-                                                                       ALL_TO_ALL_CHUNK_BYTES)]
+    pieces = [
+        rows[:, lo:hi].contiguous()
+        for lo, hi in chunk_bounds(rows.shape[1], full.element_size(), ALL_TO_ALL_CHUNK_BYTES)
+    ]
     for handle in [fcol.all_to_all_single(p, None, None, group) for p in pieces]:
         fcol.wait_tensor(handle)
+
+
+def _cases(
+    numel: int, world: int, group: dist.ProcessGroup
+) -> dict[str, tuple[Callable[[], object], int]]:
+    """Each collective over ``numel`` bf16 elements: a call, and how many times its bytes cross
+    the link."""
+    full, part = (
+        torch.ones(numel, dtype=torch.bfloat16),
+        torch.ones(numel // world, dtype=torch.bfloat16),
+    )
+    return {
+        "all_reduce": (lambda: dist.all_reduce(full), 2),
+        "reduce_scatter_tensor (functional)": (
+            lambda: fcol.wait_tensor(fcol.reduce_scatter_tensor(full, "sum", 0, group)),
+            1,
+        ),
+        "all_to_all_single (functional)": (
+            lambda: fcol.wait_tensor(fcol.all_to_all_single(full, None, None, group)),
+            1,
+        ),
+        f"all_to_all_single (functional), pieces of {ALL_TO_ALL_CHUNK_BYTES >> 10} KiB per "
+        "destination": (
+            lambda: _all_to_all_in_pieces(full, world, group),
+            1,
+        ),
+        "all_gather_into_tensor (functional)": (
+            lambda: fcol.wait_tensor(fcol.all_gather_tensor(part, 0, group)),
+            1,
+        ),
+        "dist.reduce_scatter_tensor": (
+            lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full),
+            1,
+        ),
+        "dist.all_gather_into_tensor": (
+            lambda: dist.all_gather_into_tensor(torch.empty_like(full), part),
+            1,
+        ),
+    }
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> bool:
@@ -44,24 +86,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> bool:
     rows = []
     for mb in args.sizes_mb:
         numel = int(mb * 2**20) // 2 // world * world
-        full, part = torch.ones(numel, dtype=torch.bfloat16), torch.ones(numel // world, dtype=torch.bfloat16)
-        cases = {
-            "all_reduce": (lambda: dist.all_reduce(full), 2),
-            "reduce_scatter_tensor (functional)": (lambda: fcol.wait_tensor(fcol.reduce_scatter_tensor(full, "sum", 0, group)), 1),
-            "all_to_all_single (functional)": (lambda: fcol.wait_tensor(fcol.all_to_all_single(full, None, None, group)), 1),
-            f"all_to_all_single (functional), pieces of {ALL_TO_ALL_CHUNK_BYTES >> 10} KiB per destination": (
-                lambda: _all_to_all_in_pieces(full, world, group), 1),
-            "all_gather_into_tensor (functional)": (lambda: fcol.wait_tensor(fcol.all_gather_tensor(part, 0, group)), 1),
-            "dist.reduce_scatter_tensor": (lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full), 1),
-            "dist.all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(torch.empty_like(full), part), 1),
-        }
+        cases = _cases(numel, world, group)
         for name, (fn, passes_over) in cases.items():
             ms = median_ms(fn, args.reps)
             ideal = passes_over * numel * 2 * (world - 1) / world / rate * 1e3 if rate else None
             rows.append((f"{name}, {mb:g} MB bf16", ms, ideal))
     if rank == 0:
-        print(f"{describe_link()}, gloo, 1 thread each; medians of {args.reps}; torch {torch.__version__}, "
-              f"{time.strftime('%Y-%m-%d')}\n")
+        print(
+            f"{describe_link()}, gloo, 1 thread each; medians of {args.reps}; torch "
+            f"{torch.__version__}, {time.strftime('%Y-%m-%d')}\n"
+        )
         print("| collective | time (ms) | its bytes at the link rate (ms) | ratio |")
         print("|---|---:|---:|---:|")
         for name, ms, ideal in rows:

@@ -26,13 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_ddp import launch as launch_ranks  # noqa: E402
+from train_ddp import launch as launch_ranks
 
 _RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
 _LINK_ENV = "BENCH_LINK"  # set in the ranks started on a shaped link: its rate
@@ -41,11 +41,13 @@ _LINK_ENV = "BENCH_LINK"  # set in the ranks started on a shaped link: its rate
 def link_rate(text: str) -> str:
     """argparse type: a tc rate in bits per second (``2gbit``, ``500mbit``)."""
     if not _RATE.match(text):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a rate such as 2gbit, 500mbit or 100kbit")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a rate such as 2gbit, 500mbit or 100kbit"
+        )
     return text
 
 
-def link_bytes_per_s(link: Optional[str]) -> Optional[float]:
+def link_bytes_per_s(link: str | None) -> float | None:
     """The link's rate in bytes per second (``"2gbit"`` -> 2.5e8); None for loopback."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", (link or "").lower())
     if not match:
@@ -66,8 +68,12 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
 
 
 def add_link_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--link", type=link_rate, metavar="RATE",
-                        help="run the two ranks on a link shaped to RATE (e.g. 2gbit; needs root, ip and tc)")
+    parser.add_argument(
+        "--link",
+        type=link_rate,
+        metavar="RATE",
+        help="run the two ranks on a link shaped to RATE (e.g. 2gbit; needs root, ip and tc)",
+    )
 
 
 def describe_link() -> str:
@@ -78,7 +84,7 @@ def describe_link() -> str:
     return f"{dist.get_world_size()} ranks over loopback"
 
 
-def link_problem() -> Optional[str]:
+def link_problem() -> str | None:
     """Why a shaped link cannot be set up here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
@@ -109,17 +115,33 @@ def run_on_link(rate: str, argv: list[str]) -> int:
             _make_link(rate, ns, dev, addr)
         except subprocess.CalledProcessError as e:
             raise LinkUnavailable(f"{' '.join(e.cmd)}: {e.stderr.strip()}") from None
-        env = dict(os.environ, WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR=addr[0],
-                   MASTER_PORT="29631", **{_LINK_ENV: rate})
+        env = dict(
+            os.environ,
+            WORLD_SIZE="2",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=addr[0],
+            MASTER_PORT="29631",
+            **{_LINK_ENV: rate},
+        )
         with tempfile.NamedTemporaryFile("w+", prefix="rank1-", suffix=".log") as log:
-            rank1 = subprocess.Popen(["ip", "netns", "exec", ns[1], *argv], stdout=log, stderr=subprocess.STDOUT,
-                                     env=dict(env, RANK="1", GLOO_SOCKET_IFNAME=dev[1]))
-            rc0 = subprocess.call(["ip", "netns", "exec", ns[0], *argv], env=dict(env, RANK="0",
-                                                                                   GLOO_SOCKET_IFNAME=dev[0]))
+            rank1 = subprocess.Popen(
+                ["ip", "netns", "exec", ns[1], *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(env, RANK="1", GLOO_SOCKET_IFNAME=dev[1]),
+            )
+            rc0 = subprocess.call(
+                ["ip", "netns", "exec", ns[0], *argv],
+                env=dict(env, RANK="0", GLOO_SOCKET_IFNAME=dev[0]),
+            )
             rc1 = rank1.wait()
             if rc1 != 0:
                 log.seek(0)
-                print(f"rank 1 failed (exit {rc1}); its output:\n{log.read()[-6000:]}", file=sys.stderr)
+                print(
+                    f"rank 1 failed (exit {rc1}); its output:\n{log.read()[-6000:]}",
+                    file=sys.stderr,
+                )
         return rc0 or rc1
     finally:
         for n in ns:
@@ -135,10 +157,28 @@ def _make_link(rate: str, ns: tuple[str, str], dev: tuple[str, str], addr: tuple
         _sh("ip", "-n", n, "addr", "add", f"{a}/24", "dev", d)
         _sh("ip", "-n", n, "link", "set", d, "up")
         _sh("ip", "-n", n, "link", "set", "lo", "up")
-        _sh("tc", "-n", n, "qdisc", "add", "dev", d, "root", "tbf", "rate", rate, "burst", "512kb", "latency", "50ms")
+        _sh(
+            "tc",
+            "-n",
+            n,
+            "qdisc",
+            "add",
+            "dev",
+            d,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "512kb",
+            "latency",
+            "50ms",
+        )
 
 
-def launch(worker: Callable[[int, int, argparse.Namespace], bool], args: argparse.Namespace) -> None:
+def launch(
+    worker: Callable[[int, int, argparse.Namespace], bool], args: argparse.Namespace
+) -> None:
     """Run ``worker(rank, world_size, args)`` on every rank, over ``args.link`` when given."""
     if "RANK" not in os.environ and getattr(args, "link", None):
         problem = link_problem()

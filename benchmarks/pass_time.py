@@ -1,4 +1,5 @@
-"""How the passes' own time grows with the graph: traced DDP-shaped graphs of K compressed hook calls.
+"""How the passes' own time grows with the graph: traced DDP-shaped graphs of K compressed hook
+calls.
 
     python benchmarks/pass_time.py [--calls 800 3300] [--world-size 8]
 
@@ -23,10 +24,10 @@ import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import passes  # noqa: E402
-from passes.testing import fake_process_group, trace  # noqa: E402
-from passes.verify import copy_graph  # noqa: E402
-from tests.graphs import ddp_args, ddp_fn  # noqa: E402
+import passes
+from passes.testing import fake_process_group, trace
+from passes.verify import copy_graph
+from tests.graphs import ddp_args, ddp_fn
 
 
 def measure(calls: int, world_size: int, repeat: int) -> tuple[int, dict[str, float]]:
@@ -53,14 +54,23 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = [(calls, *measure(calls, args.world_size, args.repeat)) for calls in args.calls]
     names = list(rows[0][2])
-    print(f"pass time on traced DDP graphs with bf16_compress_hook (world {args.world_size}, median of {args.repeat}):")
+    print(
+        f"pass time on traced DDP graphs with bf16_compress_hook (world {args.world_size}, median "
+        f"of {args.repeat}):"
+    )
     print(f"{'hook calls':>10} {'nodes':>7} " + " ".join(f"{n:>27}" for n in names))
     for calls, nodes, t in rows:
         print(f"{calls:>10} {nodes:>7} " + " ".join(f"{t[n]:>26.3f}s" for n in names))
     if len(rows) > 1:
         (_, n1, t1), (_, n2, t2) = rows[0], rows[-1]
-        print("growth exponent " + ", ".join(
-            f"{n}: {math.log(t2[n] / t1[n]) / math.log(n2 / n1):.2f}" for n in names if t1[n] > 0 and t2[n] > 0))
+        print(
+            "growth exponent "
+            + ", ".join(
+                f"{n}: {math.log(t2[n] / t1[n]) / math.log(n2 / n1):.2f}"
+                for n in names
+                if t1[n] > 0 and t2[n] > 0
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -29,17 +29,17 @@ import contextlib
 import statistics
 import time
 
+import results
 import torch
 import torch.distributed as dist
+from ddp_sync import COLLECTIVES, _itemsize, _numel, loss_of, make_model
+from launch import add_link_argument, describe_link, launch
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
 import compiled_hooks as ch
 import passes
 from compiled_hooks.powersgd import PowerSGDState, powerSGD_hook
-from ddp_sync import COLLECTIVES, _itemsize, _numel, loss_of, make_model
-from launch import add_link_argument, describe_link, launch
-import results
 
 MODEL, START, WARMUP, LR = "mlp-8x1024", 2, 4, 0.1
 BF16 = "compiled + bf16 hook + passes"
@@ -52,6 +52,7 @@ def torch_powersgd() -> tuple[object, str | None]:
     except ImportError:
         return None, "numpy is not installed (torch's PowerSGDState needs it)"
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_hook
+
     return torch_hook, None
 
 
@@ -65,13 +66,18 @@ class Config:
             self.model = DistributedDataParallel(self.net)
             if "powerSGD" in name:
                 torch_hook, _ = torch_powersgd()
-                state = torch_hook.PowerSGDState(dist.group.WORLD, matrix_approximation_rank=rank,
-                                                 start_powerSGD_iter=START)
+                state = torch_hook.PowerSGDState(
+                    dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=START
+                )
                 self.model.register_comm_hook(state, torch_hook.powerSGD_hook)
         else:
             if "powerSGD" in name:
-                state, hook = PowerSGDState(dist.group.WORLD, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=START), powerSGD_hook
+                state, hook = (
+                    PowerSGDState(
+                        dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=START
+                    ),
+                    powerSGD_hook,
+                )
             else:
                 state, hook = ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook
             _, self.model = ch.compile_ddp(self.net, state, hook)
@@ -101,8 +107,14 @@ class Config:
         events = [e for e in prof.events() if e.name in COLLECTIVES]
         functional = [e for e in events if e.name.startswith("_c10d_functional")]
         self.collectives = len(functional or events) / steps
-        self.mb = sum(_numel(e.input_shapes[0]) * _itemsize(e.input_dtypes[0]) for e in (functional or events)) \
-            / steps / 2**20
+        self.mb = (
+            sum(
+                _numel(e.input_shapes[0]) * _itemsize(e.input_dtypes[0])
+                for e in (functional or events)
+            )
+            / steps
+            / 2**20
+        )
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
@@ -111,8 +123,12 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     names += [f"eager DDP + torch powerSGD rank {r}" for r in args.ranks] if torch_hook else []
     names += [f"compiled + powerSGD rank {r} + passes" for r in args.ranks] + [BF16]
     if rank == 0:
-        print(f"{describe_link()}, gloo, 1 thread each; {MODEL}, {WARMUP} warm-up + {args.steps} interleaved steps "
-              f"per configuration, medians on rank 0; torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+        print(
+            f"{describe_link()}, gloo, 1 thread each; {MODEL}, {WARMUP} warm-up + {args.steps} "
+            f"interleaved steps per configuration, medians on rank 0; torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d')}",
+            flush=True,
+        )
         if why_not:
             print(f"eager torch powerSGD_hook left out: {why_not}", flush=True)
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
@@ -125,7 +141,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             c.step()
     losses = {}
     for i in range(args.steps):
-        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+        for c in configs[i % len(configs) :] + configs[: i % len(configs)]:
             dist.barrier()
             t0 = time.perf_counter()
             losses[c.name] = c.step()
@@ -136,33 +152,62 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if rank != 0:
         return True
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
-    print("\n| configuration | median step (ms) | vs bf16 + passes | vs eager torch PowerSGD, same rank "
-          "| collectives/step | MB to collectives/step | loss after "
-          f"{WARMUP + args.steps} steps |")
+    print(
+        "\n| configuration | median step (ms) | vs bf16 + passes | vs eager torch PowerSGD, same "
+        f"rank | collectives/step | MB to collectives/step | loss after {WARMUP + args.steps} "
+        "steps |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for c in configs:
-        peer = f"eager DDP + torch powerSGD rank {c.name.split('rank ')[1].split()[0]}" if "rank" in c.name else None
-        rows.append(dict(config=c.name, median_ms=median[c.name], vs_bf16_passes=median[c.name] / median[BF16],
-                         vs_torch_powersgd=median[c.name] / median[peer] if peer in median and peer != c.name else None,
-                         collectives=c.collectives, mb=c.mb if c.compiled else None, loss=losses[c.name].item()))
+        peer = (
+            f"eager DDP + torch powerSGD rank {c.name.split('rank ')[1].split()[0]}"
+            if "rank" in c.name
+            else None
+        )
+        rows.append(
+            dict(
+                config=c.name,
+                median_ms=median[c.name],
+                vs_bf16_passes=median[c.name] / median[BF16],
+                vs_torch_powersgd=median[c.name] / median[peer]
+                if peer in median and peer != c.name
+                else None,
+                collectives=c.collectives,
+                mb=c.mb if c.compiled else None,
+                loss=losses[c.name].item(),
+            )
+        )
     for r in rows:
         vs_peer = "-" if r["vs_torch_powersgd"] is None else f"{r['vs_torch_powersgd']:.2f}x"
-        mb = "-" if r["mb"] is None else f"{r['mb']:.2f}"  # the C++ reducer's collectives carry no shapes in the profile
-        print(f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_bf16_passes']:.2f}x | {vs_peer} "
-              f"| {r['collectives']:g} | {mb} | {r['loss']:.5f} |")
+        mb = (
+            "-" if r["mb"] is None else f"{r['mb']:.2f}"
+        )  # the C++ reducer's collectives carry no shapes in the profile
+        print(
+            f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_bf16_passes']:.2f}x | {vs_peer} | "
+            f"{r['collectives']:g} | {mb} | {r['loss']:.5f} |"
+        )
     recompiles = counters["stats"]["unique_graphs"]
-    print(f"\n{recompiles} graphs compiled in all (forward and backward of every compiled configuration, "
-          "PowerSGD's backward twice: before and after its start)", flush=True)
-    results.write(args, "powersgd", describe_link(),
-                  [results.table(f"{MODEL}, forward + backward + SGD step", rows, ratio="vs_bf16_passes")])
+    print(
+        f"\n{recompiles} graphs compiled in all (forward and backward of every compiled "
+        "configuration, PowerSGD's backward twice: before and after its start)",
+        flush=True,
+    )
+    results.write(
+        args,
+        "powersgd",
+        describe_link(),
+        [results.table(f"{MODEL}, forward + backward + SGD step", rows, ratio="vs_bf16_passes")],
+    )
     return True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD approximation ranks")
+    parser.add_argument(
+        "--ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD approximation ranks"
+    )
     add_link_argument(parser)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)

@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn  # noqa: E402
+from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn
 
-import compiled_hooks as ch  # noqa: E402
-import passes  # noqa: E402
-from compiled_hooks import rank_guard  # noqa: E402
+import compiled_hooks as ch
+import passes
+from compiled_hooks import rank_guard
 
 
 class Copy:
@@ -41,7 +41,9 @@ class Copy:
         torch.manual_seed(0)
         self.name, self.guard, self.net = name, guard, TinyTransformer()
         self.net.register_parameter("extra", torch.nn.Parameter(torch.zeros((1,) * extra_dims)))
-        _, self.model = ch.compile_ddp(self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+        _, self.model = ch.compile_ddp(
+            self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook
+        )
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=1e-3)
         for p in self.net.parameters():
             p.grad = torch.zeros_like(p)
@@ -73,7 +75,11 @@ def fast_path_us(calls: int = 20000) -> float:
 
 
 def run(rank: int, world_size: int, args) -> bool:
-    copies = [Copy("without guard", False, 1), Copy("with guard", True, 2), Copy("without guard (control)", False, 3)]
+    copies = [
+        Copy("without guard", False, 1),
+        Copy("with guard", True, 2),
+        Copy("without guard (control)", False, 3),
+    ]
     compile_s = {}
     for c in copies:
         t0 = time.perf_counter()
@@ -88,22 +94,37 @@ def run(rank: int, world_size: int, args) -> bool:
             c.times.append(c.step(step))
             grew = _guarded_collectives() - before
             if bool(grew) != c.guard:
-                raise RuntimeError(f"step {step}: the copy {c.name!r} {'did not run' if c.guard else 'ran'} a guarded graph")
+                raise RuntimeError(
+                    f"step {step}: the copy {c.name!r} {'did not run' if c.guard else 'ran'} a "
+                    "guarded graph"
+                )
             if grew:
                 guarded_per_step.add(grew)
     per_call = fast_path_us()
     if rank == 0:
         medians = {c.name: statistics.median(c.times) * 1e3 for c in copies}
         base = medians["without guard"]
-        print(f"rank guard overhead, main example, {world_size} ranks, {args.steps} interleaved steps each "
-              f"(medians, rank 0):")
+        print(
+            f"rank guard overhead, main example, {world_size} ranks, {args.steps} interleaved "
+            "steps each (medians, rank 0):"
+        )
         for name, ms in medians.items():
-            print(f"  {name:26s} {ms:7.2f} ms/step   {ms / base:.4f}x   compile (first two steps) {compile_s[name]:.1f} s")
-        print(f"  guarded collectives per step: {sorted(guarded_per_step)}; one guard call (agreed graph) costs "
-              f"{per_call:.2f} us (timed over 20000 calls), {per_call / 1e3 / base:.3%} of a step")
-        print(f"  compile-time cost: insert_rank_guard {counters['rank_guard']['pass us'] / 1e3:.1f} ms, first-run "
-              f"exchange {counters['rank_guard']['check us'] / 1e3:.1f} ms ({counters['rank_guard']['graphs checked']} "
-              f"graph(s) checked, including the wait for the other rank)")
+            print(
+                f"  {name:26s} {ms:7.2f} ms/step   {ms / base:.4f}x   compile (first two steps) "
+                f"{compile_s[name]:.1f} s"
+            )
+        print(
+            f"  guarded collectives per step: {sorted(guarded_per_step)}; one guard call (agreed "
+            f"graph) costs {per_call:.2f} us (timed over 20000 calls), "
+            f"{per_call / 1e3 / base:.3%} of a step"
+        )
+        print(
+            "  compile-time cost: insert_rank_guard "
+            f"{counters['rank_guard']['pass us'] / 1e3:.1f} ms, first-run exchange "
+            f"{counters['rank_guard']['check us'] / 1e3:.1f} ms "
+            f"({counters['rank_guard']['graphs checked']} graph(s) checked, including the wait "
+            "for the other rank)"
+        )
         print(json.dumps({"medians_ms": medians, "call_us": per_call}))
     return True
 

@@ -21,12 +21,14 @@ import platform
 import sys
 import textwrap
 import time
-from typing import Any, Optional
+from typing import Any
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
-    parser.add_argument("--plot", metavar="PATH", help="draw the results as a PNG (rank 0; needs matplotlib)")
+    parser.add_argument(
+        "--plot", metavar="PATH", help="draw the results as a PNG (rank 0; needs matplotlib)"
+    )
 
 
 def machine() -> str:
@@ -48,23 +50,46 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores{memory}{gpu}"
 
 
-def table(title: str, rows: list[dict[str, Any]], *, value: str = "median_ms", ratio: Optional[str] = None,
-          bound_ms: Optional[float] = None, note: str = "") -> dict[str, Any]:
+def table(
+    title: str,
+    rows: list[dict[str, Any]],
+    *,
+    value: str = "median_ms",
+    ratio: str | None = None,
+    bound_ms: float | None = None,
+    note: str = "",
+) -> dict[str, Any]:
     """One table: ``rows`` are dicts with a ``config`` key and the same keys in every row."""
     if not rows or any("config" not in r or value not in r for r in rows):
         raise ValueError(f"table {title!r}: every row needs 'config' and {value!r}")
-    return {"title": title, "columns": list(rows[0]), "rows": rows, "value": value, "ratio": ratio,
-            "bound_ms": bound_ms, "note": note}
+    return {
+        "title": title,
+        "columns": list(rows[0]),
+        "rows": rows,
+        "value": value,
+        "ratio": ratio,
+        "bound_ms": bound_ms,
+        "note": note,
+    }
 
 
-def write(args: argparse.Namespace, benchmark: str, where: str, tables: list[dict[str, Any]]) -> None:
+def write(
+    args: argparse.Namespace, benchmark: str, where: str, tables: list[dict[str, Any]]
+) -> None:
     """Write ``--json`` and ``--plot`` if asked (call on rank 0 only)."""
     if not (getattr(args, "json", None) or getattr(args, "plot", None)):
         return
     import torch
 
-    results = {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-               "torch": torch.__version__, "where": where, "argv": sys.argv[1:], "tables": tables}
+    results = {
+        "benchmark": benchmark,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "where": where,
+        "argv": sys.argv[1:],
+        "tables": tables,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -81,19 +106,31 @@ def plot(results: dict[str, Any], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install -e \".[bench]\"") from None
+        raise SystemExit('--plot needs matplotlib: pip install -e ".[bench]"') from None
     tables = results["tables"]
     heights = [0.9 + 0.38 * len(t["rows"]) for t in tables]
-    fig, axes = plt.subplots(len(tables), 1, figsize=(9, sum(heights) + 0.8), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        len(tables),
+        1,
+        figsize=(9, sum(heights) + 0.8),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
     for ax, t in zip(axes[:, 0], tables):
         names = [r["config"] for r in t["rows"]][::-1]
         values = [r[t["value"]] for r in t["rows"]][::-1]
-        bars = ax.barh(names, values, color=["#4c72b0" if "passes" in n or "compiled ZeRO" in n else "#a0a0a0"
-                                             for n in names])
+        bars = ax.barh(
+            names,
+            values,
+            color=[
+                "#4c72b0" if "passes" in n or "compiled ZeRO" in n else "#a0a0a0" for n in names
+            ],
+        )
         if t["ratio"]:
-            labels = [f"{v:.1f}" + ("" if r[t["ratio"]] is None else f"  ({r[t['ratio']]:.2f}x)")
-                      for v, r in zip(values, t["rows"][::-1])]
+            labels = [
+                f"{v:.1f}" + ("" if r[t["ratio"]] is None else f"  ({r[t['ratio']]:.2f}x)")
+                for v, r in zip(values, t["rows"][::-1])
+            ]
             ax.bar_label(bars, labels=labels, padding=3, fontsize=8)
         if t.get("bound_ms"):
             ax.axvline(t["bound_ms"], color="#c44e52", linestyle="--", linewidth=1)
@@ -102,8 +139,11 @@ def plot(results: dict[str, Any], path: str) -> None:
         ax.set_xlim(0, max(values + [t.get("bound_ms") or 0]) * 1.3)
         ax.set_xlabel(t["value"].replace("_ms", " (ms)").replace("_", " "), fontsize=8)
         ax.tick_params(labelsize=8)
-    fig.suptitle(f"{results['benchmark']}: {results['where']}\n{results['date']}, {results['machine']}, "
-                 f"torch {results['torch']}", fontsize=9)
+    fig.suptitle(
+        f"{results['benchmark']}: {results['where']}\n{results['date']}, {results['machine']}, "
+        f"torch {results['torch']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

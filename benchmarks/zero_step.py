@@ -2,7 +2,7 @@
 
     python benchmarks/zero_step.py                # 2 CPU ranks over loopback
     python benchmarks/zero_step.py --link 2gbit   # 2 ranks on a 2 Gbit/s link (root, ip, tc)
-    python benchmarks/zero_step.py --profile      # and a kernel profile of the step per configuration
+    python benchmarks/zero_step.py --profile      # and each configuration's kernel profile
 
 Same model (the main example's transformer) and batch for every configuration; their steps are
 interleaved (one step of each in turn, the order rotated every step) so that machine noise hits
@@ -42,7 +42,8 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,13 +51,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_ddp import TinyTransformer, batch, loss_fn  # noqa: E402
+import results
+from launch import add_link_argument, describe_link, launch
+from train_ddp import TinyTransformer, batch, loss_fn
 
-import compiled_hooks as ch  # noqa: E402
-import passes  # noqa: E402
-from launch import add_link_argument, describe_link, launch  # noqa: E402
-import results  # noqa: E402
-from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved  # noqa: E402
+import compiled_hooks as ch
+import passes
+from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
 
 LR = 1e-3
 BUCKET_CAP_MB = 4  # every DDP here (see the module docstring)
@@ -71,34 +72,57 @@ CONFIGS = [
     "compiled ZeRO, interleaved, shard_buckets + shard_weight_update",
     NO_STEP,
 ]
-COLLECTIVE = re.compile(r"_c10d_functional\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|broadcast|all_to_all_single)\w*"
-                        r"\.default\(")
+COLLECTIVE = re.compile(
+    r"_c10d_functional\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|broadcast|all_to_all_single)\w*"
+    r"\.default\("
+)
 
 
 def _state_bytes(state: dict) -> int:
-    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+    return sum(
+        t.numel() * t.element_size()
+        for s in state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
 
 
 class Config:
     def __init__(self, name: str, size: dict, tokens, targets):
         torch.manual_seed(0)
-        self.name, self.net, self.tokens, self.targets = name, TinyTransformer(**size), tokens, targets
+        self.name, self.net, self.tokens, self.targets = (
+            name,
+            TinyTransformer(**size),
+            tokens,
+            targets,
+        )
         self.times: list[float] = []
         self.compiled = name.startswith("compiled")
         self.pipeline = None
         self.zero = self.opt = None
         if name.startswith("eager"):
             self.model = DistributedDataParallel(self.net, bucket_cap_mb=BUCKET_CAP_MB)
-            self.opt = ZeroRedundancyOptimizer(self.net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+            self.opt = ZeroRedundancyOptimizer(
+                self.net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR
+            )
         elif "ZeRO" in name:
             shard = "shard_buckets" in name
-            self.zero = ZeroOptimizer(self.net.parameters(), torch.optim.AdamW, shard_buckets=shard, lr=LR)
+            self.zero = ZeroOptimizer(
+                self.net.parameters(), torch.optim.AdamW, shard_buckets=shard, lr=LR
+            )
             ddp, self.model = ch.compile_ddp(self.net, bucket_cap_mb=BUCKET_CAP_MB)
-            make = hook_with_zero_step if "after backward" in name else hook_with_zero_step_interleaved
-            ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), make(ch.allreduce_hook, ddp, self.zero, shard))
-            # shard_weight_update is forced on gloo here, to measure it (by default it leaves gloo alone)
+            make = (
+                hook_with_zero_step if "after backward" in name else hook_with_zero_step_interleaved
+            )
+            ddp.register_comm_hook(
+                ch.DefaultState(dist.group.WORLD), make(ch.allreduce_hook, ddp, self.zero, shard)
+            )
+            # shard_weight_update is forced on gloo here, to measure it (by default it leaves gloo
+            # alone)
             forced = {"shard_weight_update": True, "shard_backends": ("gloo", "nccl")}
-            self.pipeline = passes.default_pipeline(**(forced if "shard_weight_update" in name else {}))
+            self.pipeline = passes.default_pipeline(
+                **(forced if "shard_weight_update" in name else {})
+            )
         else:
             _, self.model = ch.compile_ddp(self.net, bucket_cap_mb=BUCKET_CAP_MB)
             self.opt = None if name == NO_STEP else torch.optim.AdamW(self.net.parameters(), lr=LR)
@@ -112,8 +136,11 @@ class Config:
     def step(self) -> None:
         self.net.zero_grad(set_to_none=False)
         if self.compiled:
-            with (passes.install(self.pipeline) if self.pipeline else contextlib.nullcontext(), ch.compiled_autograd(),
-                  torch._inductor.config.patch(self.inductor_config)):
+            with (
+                passes.install(self.pipeline) if self.pipeline else contextlib.nullcontext(),
+                ch.compiled_autograd(),
+                torch._inductor.config.patch(self.inductor_config),
+            ):
                 loss_fn(self.model, self.tokens, self.targets).backward()
         else:
             loss_fn(self.model, self.tokens, self.targets).backward()
@@ -139,15 +166,29 @@ class Config:
         return _state_bytes(self.opt.state)
 
 
-PROFILED = ["compiled DDP + AdamW (unsharded)", "compiled ZeRO, after backward", "compiled ZeRO, interleaved", NO_STEP]
+PROFILED = [
+    "compiled DDP + AdamW (unsharded)",
+    "compiled ZeRO, after backward",
+    "compiled ZeRO, interleaved",
+    NO_STEP,
+]
 ALONE = ["compiled DDP + AdamW (unsharded)", "compiled ZeRO, after backward"]
 ALONE_CALLS = 20
 # not the optimizer's compute: communication (issuing collectives, waiting for them, the
 # barrier between calls; gloo's and NCCL's own threads), and the entry into the step compiled
 # alone (Dynamo's guard check, the compiled graph's call and argument checks: inside the
 # backward the step shares the backward graph's)
-NOT_COMPUTE = ("_c10d_functional::", "c10d::", "gloo:", "nccl:", "TorchDynamo Cache Lookup", "## Call CompiledFxGraph",
-               "Torch-Compiled Region", "AOTDispatcher", "Pregraph bytecode")
+NOT_COMPUTE = (
+    "_c10d_functional::",
+    "c10d::",
+    "gloo:",
+    "nccl:",
+    "TorchDynamo Cache Lookup",
+    "## Call CompiledFxGraph",
+    "Torch-Compiled Region",
+    "AOTDispatcher",
+    "Pregraph bytecode",
+)
 
 
 def profile(fn: Callable[[], Any], calls: int):
@@ -163,7 +204,10 @@ def profile(fn: Callable[[], Any], calls: int):
 def compute_ms(fn: Callable[[], Any]) -> float:
     """One call of ``fn``, profiled: its time in ops and kernels (self times, so nothing
     twice), what is not the optimizer's compute (``NOT_COMPUTE``) excluded."""
-    return sum(e.self_cpu_time_total for e in profile(fn, 1) if not e.key.startswith(NOT_COMPUTE)) / 1e3
+    return (
+        sum(e.self_cpu_time_total for e in profile(fn, 1) if not e.key.startswith(NOT_COMPUTE))
+        / 1e3
+    )
 
 
 def step_alone(c: Config) -> Callable[[], Any]:
@@ -175,8 +219,10 @@ def step_alone(c: Config) -> Callable[[], Any]:
     if c.zero is None:
         return c.opt.step
     zero, state = c.zero, ch.DefaultState(dist.group.WORLD)
-    reduced = [zero.reduce_bucket(ch.allreduce_hook, state, [(i, zero.params[i].grad) for i in bucket])
-               for bucket in zero.storage.buckets]
+    reduced = [
+        zero.reduce_bucket(ch.allreduce_hook, state, [(i, zero.params[i].grad) for i in bucket])
+        for bucket in zero.storage.buckets
+    ]
 
     @torch.compile(fullgraph=True)
     def update():
@@ -185,8 +231,12 @@ def step_alone(c: Config) -> Callable[[], Any]:
 
     def step():
         # kernels profiled one by one (compute_ms), not inside the graph's call
-        with passes.install(c.pipeline), torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        with (
+            passes.install(c.pipeline),
+            torch._inductor.config.patch({"cpp.enable_kernel_profile": True}),
+        ):
             update()
+
     for _ in range(3):  # compile and warm up
         step()
     return step
@@ -199,14 +249,28 @@ def kernel_table(c: Config, events, steps: int) -> str:
     bucket's own row with a ``sqrt``) and the write-back, which Inductor's output code names
     (``TORCH_LOGS=output_code``)."""
     rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:40]
-    lines = [f"| {e.key[:60]} | {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count // steps} |" for e in rows]
-    total = [f"; torch's Optimizer.step in all {e.cpu_time_total / steps / 1e3:.2f} ms"
-             for e in events if e.key.startswith("Optimizer.step")]
-    return "\n".join([f"\n{c.name}: self CPU time per step (ms), calls per step{''.join(total)}\n",
-                      "| op or kernel | ms | calls |", "|---|---:|---:|", *lines])
+    lines = [
+        f"| {e.key[:60]} | {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count // steps} |"
+        for e in rows
+    ]
+    total = [
+        f"; torch's Optimizer.step in all {e.cpu_time_total / steps / 1e3:.2f} ms"
+        for e in events
+        if e.key.startswith("Optimizer.step")
+    ]
+    return "\n".join(
+        [
+            f"\n{c.name}: self CPU time per step (ms), calls per step{''.join(total)}\n",
+            "| op or kernel | ms | calls |",
+            "|---|---:|---:|",
+            *lines,
+        ]
+    )
 
 
-def run(rank: int, size: dict, steps: int, profiled: bool = False) -> tuple[list[dict], list[str]] | None:
+def run(
+    rank: int, size: dict, steps: int, profiled: bool = False
+) -> tuple[list[dict], list[str]] | None:
     tokens, targets = batch(rank, 0, batch_size=8, seq_len=32)
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
     configs = [Config(n, size, tokens, targets) for n in CONFIGS if n.startswith("eager")]
@@ -217,14 +281,16 @@ def run(rank: int, size: dict, steps: int, profiled: bool = False) -> tuple[list
     for c in configs:  # one untimed round: compiled autograd builds one more graph per model here
         c.step()
     for i in range(steps):
-        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+        for c in configs[i % len(configs) :] + configs[: i % len(configs)]:
             dist.barrier()
             t0 = time.perf_counter()
             c.step()
             c.times.append(time.perf_counter() - t0)
     # every configuration trains the same model on the same data: how far apart did they end?
     flat = [torch.cat([p.detach().reshape(-1) for p in c.net.parameters()]) for c in configs]
-    tables = [kernel_table(c, profile(c.step, 10), 10) for c in configs if profiled and c.name in PROFILED]
+    tables = [
+        kernel_table(c, profile(c.step, 10), 10) for c in configs if profiled and c.name in PROFILED
+    ]
     # the optimizer step alone, profiled (last: it steps the optimizers again)
     steps_alone = {c.name: step_alone(c) for c in configs if c.name in ALONE}
     alone: dict[str, list[float]] = {name: [] for name in steps_alone}
@@ -246,14 +312,25 @@ def run(rank: int, size: dict, steps: int, profiled: bool = False) -> tuple[list
             return statistics.median(c.step_times[-steps:]) * 1e3
         return (statistics.median(c.times) - no_step) * 1e3
 
-    return [dict(model=f"{n_tensors} tensors, {n_params / 1e6:.2f}M params", config=c.name,
-                 median_ms=statistics.median(c.times) * 1e3, ratio=statistics.median(c.times) / base,
-                 collectives=c.collectives, state_mb=c.state_bytes() / 1e6 if c.name != NO_STEP else 0.0,
-                 optimizer_ms=optimizer_ms(c) if c.name != NO_STEP else 0.0,
-                 alone_ms=statistics.median(alone[c.name]) if c.name in alone else None,
-                 alone_ratio=statistics.median(a / b for a, b in zip(alone[c.name], alone[configs[0].name]))
-                 if c.name in alone else None,
-                 diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item()) for c, f in zip(configs, flat)], tables
+    return [
+        dict(
+            model=f"{n_tensors} tensors, {n_params / 1e6:.2f}M params",
+            config=c.name,
+            median_ms=statistics.median(c.times) * 1e3,
+            ratio=statistics.median(c.times) / base,
+            collectives=c.collectives,
+            state_mb=c.state_bytes() / 1e6 if c.name != NO_STEP else 0.0,
+            optimizer_ms=optimizer_ms(c) if c.name != NO_STEP else 0.0,
+            alone_ms=statistics.median(alone[c.name]) if c.name in alone else None,
+            alone_ratio=statistics.median(
+                a / b for a, b in zip(alone[c.name], alone[configs[0].name])
+            )
+            if c.name in alone
+            else None,
+            diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item(),
+        )
+        for c, f in zip(configs, flat)
+    ], tables
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
@@ -262,41 +339,68 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     result = run(rank, dict(dim=args.dim, layers=args.layers), args.steps, args.profile)
     if rank == 0:
         rows, tables = result
-        print(f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per configuration, "
-              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: {rows[0]['model']}\n")
-        print("| configuration | median step (ms) | vs first | optimizer step (ms, share of the step) "
-              "| optimizer step alone, compute, profiled (ms, vs first) "
-              "| collectives/step | optimizer state per rank (MB) | max parameter difference vs first |")
+        print(
+            f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per "
+            f"configuration, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: "
+            f"{rows[0]['model']}\n"
+        )
+        print(
+            "| configuration | median step (ms) | vs first | optimizer step (ms, share of the "
+            "step) | optimizer step alone, compute, profiled (ms, vs first) | collectives/step | "
+            "optimizer state per rank (MB) | max parameter difference vs first |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             coll = "-" if r["collectives"] is None else r["collectives"]
-            prof = "-" if r["alone_ms"] is None else f"{r['alone_ms']:.1f} ({r['alone_ratio']:.2f}x)"
-            print(f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x "
-                  f"| {r['optimizer_ms']:.1f} ({r['optimizer_ms'] / r['median_ms']:.0%}) | {prof} | {coll} "
-                  f"| {r['state_mb']:.2f} | {r['diff']:.1e} |")
-        print("\noptimizer step: timed alone where it runs after backward; inside the compiled backward (ZeRO), "
-              f"the step's median minus the median of '{NO_STEP}' (the same forward and backward). "
-              f"Alone, profiled: after the steps, {ALONE_CALLS} calls of the optimizer step by itself "
-              "under torch.profiler (torch's Optimizer.step; for compiled ZeRO the compiled update of every bucket "
-              "on its averaged row), in turn: median time in ops and kernels per call, and the median of the calls' "
-              "ratios; communication (issuing and waiting for collectives) and the compiled step's entry "
-              "(guards, graph call) excluded")
+            prof = (
+                "-" if r["alone_ms"] is None else f"{r['alone_ms']:.1f} ({r['alone_ratio']:.2f}x)"
+            )
+            print(
+                f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | "
+                f"{r['optimizer_ms']:.1f} ({r['optimizer_ms'] / r['median_ms']:.0%}) | {prof} | "
+                f"{coll} | {r['state_mb']:.2f} | {r['diff']:.1e} |"
+            )
+        print(
+            "\noptimizer step: timed alone where it runs after backward; inside the compiled "
+            f"backward (ZeRO), the step's median minus the median of '{NO_STEP}' (the same "
+            f"forward and backward). Alone, profiled: after the steps, {ALONE_CALLS} calls of the "
+            "optimizer step by itself under torch.profiler (torch's Optimizer.step; for compiled "
+            "ZeRO the compiled update of every bucket on its averaged row), in turn: median time "
+            "in ops and kernels per call, and the median of the calls' ratios; communication "
+            "(issuing and waiting for collectives) and the compiled step's entry (guards, graph "
+            "call) excluded"
+        )
         for table in tables:
             print(table)
-        results.write(args, "zero_step", describe_link(),
-                      [results.table(f"transformer ({rows[0]['model']}), forward + backward + AdamW step", rows,
-                                     ratio="ratio")])
+        results.write(
+            args,
+            "zero_step",
+            describe_link(),
+            [
+                results.table(
+                    f"transformer ({rows[0]['model']}), forward + backward + AdamW step",
+                    rows,
+                    ratio="ratio",
+                )
+            ],
+        )
     return True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--world-size", type=int, default=2, help="ranks over loopback (a --link run has 2)")
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="ranks over loopback (a --link run has 2)"
+    )
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--profile", action="store_true",
-                        help="then profile 10 steps of the unsharded, ZeRO and no-step configurations (rank 0's kernels)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile 10 steps of the unsharded, ZeRO and no-step configurations "
+        "(rank 0's kernels)",
+    )
     add_link_argument(parser)
     results.add_output_arguments(parser)
     launch(_worker, parser.parse_args())

@@ -19,10 +19,10 @@ One process, one thread, each variant compiled with Inductor, medians of 12 call
 - owner-major row: the bucket laid out as ``[world, L]`` rows and this rank's row selected
   with ``index_select(0, rank)``, the ``cat`` of the parameters included;
 - own row, directions (what ``compiled_hooks.zero`` runs where the update reads the parameter only
-  as ``param * decay - scale * direction``, AdamW included): the direction over this rank's row, its state one
-  slice at a fixed offset (the state laid out by the buckets), no parameter read; and the same
-  plus applying both ranks' rows of directions to every parameter (``p * decay - scale * u``), the part of
-  the write-back that reads the parameters;
+  as ``param * decay - scale * direction``, AdamW included): the direction over this rank's row, its
+  state one slice at a fixed offset (the state laid out by the buckets), no parameter read; and the
+  same plus applying both ranks' rows of directions to every parameter (``p * decay - scale * u``),
+  the part of the write-back that reads the parameters;
 - and torch's eager foreach AdamW over the same tensors, for scale.
 """
 
@@ -36,10 +36,19 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from compiled_hooks.zero.optim_math import (apply, direction_rule, group_hyperparameters, rule_of,  # noqa: E402
-                                            step_scalars, table_row, update)
+from compiled_hooks.zero.optim_math import (
+    apply,
+    direction_rule,
+    group_hyperparameters,
+    rule_of,
+    step_scalars,
+    table_row,
+    update,
+)
 
-HP = group_hyperparameters(torch.optim.AdamW, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01), {})
+HP = group_hyperparameters(
+    torch.optim.AdamW, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01), {}
+)
 FORM = rule_of(torch.optim.AdamW, HP)
 TABLE = torch.tensor([table_row(HP)], dtype=torch.float64)
 
@@ -74,7 +83,11 @@ def main() -> None:
     rank = torch.tensor([0])
     starts = [sum(sizes[:j]) for j in range(members)]
     mine = [j for j in range(members) if j % 2 == 0]
-    table = torch.cat([torch.arange(starts[j], starts[j] + sizes[j]) for j in mine]).expand(2, -1).contiguous()
+    table = (
+        torch.cat([torch.arange(starts[j], starts[j] + sizes[j]) for j in mine])
+        .expand(2, -1)
+        .contiguous()
+    )
     member_of = torch.cat([torch.full((sizes[j],), j) for j in mine]).expand(2, -1).contiguous()
 
     def update_all(p, g, m, v, steps):
@@ -87,7 +100,9 @@ def main() -> None:
         index = table.index_select(0, rank).view(-1)
         step = scalars(steps)[member_of.index_select(0, rank).view(-1)].T
         flat = torch.cat([p.reshape(-1) for p in params])
-        new, state = RULE(flat[index], g[index], {"exp_avg": m[index], "exp_avg_sq": v[index]}, step)
+        new, state = RULE(
+            flat[index], g[index], {"exp_avg": m[index], "exp_avg_sq": v[index]}, step
+        )
         m.index_put_((index,), state["exp_avg"])
         v.index_put_((index,), state["exp_avg_sq"])
         return new
@@ -96,7 +111,9 @@ def main() -> None:
         k = torch.arange(half)
         index, keep = (start + k).clamp(max=n - 1), k < length
         old_m, old_v = m[index], v[index]
-        new, state = RULE(p[index], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, scalars(steps)[0])
+        new, state = RULE(
+            p[index], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, scalars(steps)[0]
+        )
         m.index_put_((index,), torch.where(keep, state["exp_avg"], old_m))
         v.index_put_((index,), torch.where(keep, state["exp_avg_sq"], old_v))
         return new
@@ -105,7 +122,9 @@ def main() -> None:
         s = start.item()
         torch._check(s >= 0)
         torch._check(s + half <= n)
-        row = torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
+        row = (
+            torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
+        )
         grad = g.view(2, half).index_select(0, rank).view(-1)
         old_m, old_v = m.narrow(0, s, half), v.narrow(0, s, half)
         new, state = RULE(row, grad, {"exp_avg": old_m, "exp_avg_sq": old_v}, scalars(steps)[0])
@@ -125,7 +144,9 @@ def main() -> None:
             k = p.numel() * is_owner[j % 2]  # member j is rank j % 2's, as ``mine`` above
             index = torch.arange(starts[j], starts[j] + k)
             old_m, old_v = m[index], v[index]
-            new, state = RULE(p.reshape(-1)[:k], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, step)
+            new, state = RULE(
+                p.reshape(-1)[:k], g[index], {"exp_avg": old_m, "exp_avg_sq": old_v}, step
+            )
             m.index_put_((index,), state["exp_avg"])
             v.index_put_((index,), state["exp_avg_sq"])
             at = sum(sizes[i] for i in range(j % 2, j, 2))  # its place in its owner's row
@@ -135,7 +156,9 @@ def main() -> None:
     direction = direction_rule(FORM)
 
     def update_own_row(g, m, v, steps):
-        d, state = direction(g[:half], {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, scalars(steps)[0], FORM)
+        d, state = direction(
+            g[:half], {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, scalars(steps)[0], FORM
+        )
         m[:half].copy_(state["exp_avg"])
         v[:half].copy_(state["exp_avg_sq"])
         return d
@@ -145,34 +168,79 @@ def main() -> None:
         p.copy_(apply(p, torch.cat([d, other]), scalars(steps)[0], FORM))
 
     def update_row(params, g, m, v, steps, rank):
-        row = torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
+        row = (
+            torch.cat([p.reshape(-1) for p in params]).view(2, half).index_select(0, rank).view(-1)
+        )
         grad = g.view(2, half).index_select(0, rank).view(-1)
-        new, state = RULE(row, grad, {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, scalars(steps)[0])
+        new, state = RULE(
+            row, grad, {"exp_avg": m[:half], "exp_avg_sq": v[:half]}, scalars(steps)[0]
+        )
         m[:half].copy_(state["exp_avg"])
         v[:half].copy_(state["exp_avg_sq"])
         return new
 
-    torch_opt = torch.optim.AdamW([torch.nn.Parameter(p.clone()) for p in params], lr=HP["lr"],
-                                  weight_decay=HP["weight_decay"])
+    torch_opt = torch.optim.AdamW(
+        [torch.nn.Parameter(p.clone()) for p in params],
+        lr=HP["lr"],
+        weight_decay=HP["weight_decay"],
+    )
     for p in torch_opt.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
     rows = [
-        ("all (every rank, every member: the fallback)", n, torch.compile(update_all), (flat_p, g, m, v, steps)),
-        ("gather through an index table", half, torch.compile(update_gather),
-         (params, g, m, v, steps, table, member_of, rank)),
-        ("window at a run-time offset", half, torch.compile(update_window),
-         (flat_p, g, m, v, steps, torch.tensor(1000), torch.tensor(half - 5))),
-        ("window at an unbacked offset (`.item()`) + owner-major row", half, torch.compile(update_unbacked_window),
-         (params, g, m, v, steps, torch.tensor(1000), rank)),
-        ("per-member unbacked sizes", half, torch.compile(update_members), (params, g, m, v, steps, rank)),
-        ("owner-major row (index_select)", half, torch.compile(update_row), (params, g, m, v, steps, rank)),
-        ("own row, directions (state slice at a fixed offset)", half, torch.compile(update_own_row), (g, m, v, steps)),
-        ("own row, directions + both rows applied to every parameter", n, torch.compile(update_own_row_and_apply),
-         (flat_p, g, m, v, steps, torch.randn(n - half))),
+        (
+            "all (every rank, every member: the fallback)",
+            n,
+            torch.compile(update_all),
+            (flat_p, g, m, v, steps),
+        ),
+        (
+            "gather through an index table",
+            half,
+            torch.compile(update_gather),
+            (params, g, m, v, steps, table, member_of, rank),
+        ),
+        (
+            "window at a run-time offset",
+            half,
+            torch.compile(update_window),
+            (flat_p, g, m, v, steps, torch.tensor(1000), torch.tensor(half - 5)),
+        ),
+        (
+            "window at an unbacked offset (`.item()`) + owner-major row",
+            half,
+            torch.compile(update_unbacked_window),
+            (params, g, m, v, steps, torch.tensor(1000), rank),
+        ),
+        (
+            "per-member unbacked sizes",
+            half,
+            torch.compile(update_members),
+            (params, g, m, v, steps, rank),
+        ),
+        (
+            "owner-major row (index_select)",
+            half,
+            torch.compile(update_row),
+            (params, g, m, v, steps, rank),
+        ),
+        (
+            "own row, directions (state slice at a fixed offset)",
+            half,
+            torch.compile(update_own_row),
+            (g, m, v, steps),
+        ),
+        (
+            "own row, directions + both rows applied to every parameter",
+            n,
+            torch.compile(update_own_row_and_apply),
+            (flat_p, g, m, v, steps, torch.randn(n - half)),
+        ),
         ("torch AdamW, eager foreach", n, torch_opt.step, ()),
     ]
-    print(f"AdamW, {members} tensors, {n / 1e6:.1f}M parameters, 1 thread, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}\n")
+    print(
+        f"AdamW, {members} tensors, {n / 1e6:.1f}M parameters, 1 thread, torch "
+        f"{torch.__version__}, {time.strftime('%Y-%m-%d')}\n"
+    )
     print("| update | elements | median (ms) |\n|---|---:|---:|")
     for name, elements, fn, args in rows:
         print(f"| {name} | {elements / 1e6:.1f}M | {median_ms(fn, *args):.1f} |")

@@ -12,9 +12,10 @@ Names are resolved by feature detection (does the attribute exist), never by com
 version strings. What differs across the supported range:
 
 =================================  ===============================================================
-functional all-gather and          ``all_gather_single`` / ``reduce_scatter_single`` from 2.13; before
-reduce-scatter                     that ``all_gather_tensor`` / ``reduce_scatter_tensor`` (the same
-                                   ops; 2.13 keeps them as aliases that warn when called eagerly)
+functional all-gather and          ``all_gather_single`` / ``reduce_scatter_single`` from 2.13;
+reduce-scatter                     before, ``all_gather_tensor`` / ``reduce_scatter_tensor`` (the
+                                   same ops; 2.13 keeps them as aliases that warn when called
+                                   eagerly)
 FSDP2 parameter groups of          ``FSDPState._fsdp_param_groups`` (a list) from 2.13;
 a module                           ``_fsdp_param_group`` (one group or None) in 2.11
 FSDP2 mixed-precision policy       ``FSDPParamGroup.mp_policy`` through 2.14; in 2.15 only per
@@ -32,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Final
 
 import torch
 import torch._inductor.config as inductor_config
@@ -40,17 +42,37 @@ import torch._inductor.custom_graph_pass as _custom_graph_pass
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _fcol
 import torch.distributed.distributed_c10d as _c10d
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_api, _fsdp_common, _fsdp_state
 
 __all__ = [
-    "SUPPORTED", "OWNED", "UnsupportedTorch", "resolved",
-    "all_gather_single", "reduce_scatter_single",
-    "resolve_process_group", "group_size_by_name", "default_group", "default_store",
-    "compiled_autograd_enabled", "python_reducer", "set_python_reducer", "ddp_uses_python_reducer",
-    "inductor_config", "CustomGraphPass", "custom_post_pass", "set_custom_post_pass", "post_passes",
+    "SUPPORTED",
+    "OWNED",
+    "UnsupportedTorch",
+    "resolved",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "resolve_process_group",
+    "group_size_by_name",
+    "default_group",
+    "default_store",
+    "compiled_autograd_enabled",
+    "python_reducer",
+    "set_python_reducer",
+    "ddp_uses_python_reducer",
+    "inductor_config",
+    "CustomGraphPass",
+    "custom_post_pass",
+    "set_custom_post_pass",
+    "post_passes",
     "post_pass_setting",
-    "FSDPReduceScatter", "fsdp_is_root", "fsdp_param_groups", "fsdp_group_reduce_dtypes",
-    "fsdp_group_layout", "fsdp_all_reduce_grads", "fsdp_take_over_all_reduce",
+    "FSDPReduceScatter",
+    "fsdp_is_root",
+    "fsdp_param_groups",
+    "fsdp_group_reduce_dtypes",
+    "fsdp_group_layout",
+    "fsdp_all_reduce_grads",
+    "fsdp_take_over_all_reduce",
 ]
 
 SUPPORTED = ">=2.11,<2.16"  # pyproject.toml requires torch in this range (tests/test_compat.py)
@@ -58,12 +80,28 @@ SUPPORTED = ">=2.11,<2.16"  # pyproject.toml requires torch in this range (tests
 # The internals only this module reads (tests/test_compat.py scans the packages for them).
 # Not reduce_scatter_tensor: that is also the name of the functional op, which every release has.
 OWNED = (
-    "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
-    "_resolve_process_group", "_get_group_size_by_name", "_get_default_store", "_world",
-    "compiled_autograd", "optimize_ddp", "_use_python_reducer",
-    "post_grad_custom_post_pass", "custom_graph_pass", "CustomGraphPass",
-    "_fully_shard", "_get_fsdp_state", "_fsdp_param_groups", "_fsdp_param_group", "fsdp_params",
-    "mesh_info", "_all_reduce_hook", "all_reduce_grads", "_is_root",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_tensor",
+    "_resolve_process_group",
+    "_get_group_size_by_name",
+    "_get_default_store",
+    "_world",
+    "compiled_autograd",
+    "optimize_ddp",
+    "_use_python_reducer",
+    "post_grad_custom_post_pass",
+    "custom_graph_pass",
+    "CustomGraphPass",
+    "_fully_shard",
+    "_get_fsdp_state",
+    "_fsdp_param_groups",
+    "_fsdp_param_group",
+    "fsdp_params",
+    "mesh_info",
+    "_all_reduce_hook",
+    "all_reduce_grads",
+    "_is_root",
 )
 
 
@@ -71,11 +109,13 @@ class UnsupportedTorch(RuntimeError):
     """A feature the running torch release does not have."""
 
     def __init__(self, feature: str, needs: str):
-        super().__init__(f"{feature} needs torch {needs}; this is torch {torch.__version__} "
-                         f"(compiled-hooks supports torch{SUPPORTED})")
+        super().__init__(
+            f"{feature} needs torch {needs}; this is torch {torch.__version__} (compiled-hooks "
+            f"supports torch{SUPPORTED})"
+        )
 
 
-def _first(owner: Any, *names: str) -> Optional[str]:
+def _first(owner: Any, *names: str) -> str | None:
     """The first of ``names`` that ``owner`` has, None if it has none."""
     return next((name for name in names if hasattr(owner, name)), None)
 
@@ -86,7 +126,7 @@ _ALL_GATHER = _first(_fcol, "all_gather_single", "all_gather_tensor")
 _REDUCE_SCATTER = _first(_fcol, "reduce_scatter_single", "reduce_scatter_tensor")
 
 
-def _collective(name: Optional[str], feature: str) -> Callable[..., torch.Tensor]:
+def _collective(name: str | None, feature: str) -> Callable[..., torch.Tensor]:
     if name is None:
         raise UnsupportedTorch(f"the functional {feature}", SUPPORTED)
     return getattr(_fcol, name)
@@ -99,7 +139,9 @@ def all_gather_single(t: torch.Tensor, gather_dim: int, group: Any) -> torch.Ten
     return _collective(_ALL_GATHER, "all_gather_single")(t.contiguous(), gather_dim, group)
 
 
-def reduce_scatter_single(t: torch.Tensor, reduce_op: str, scatter_dim: int, group: Any) -> torch.Tensor:
+def reduce_scatter_single(
+    t: torch.Tensor, reduce_op: str, scatter_dim: int, group: Any
+) -> torch.Tensor:
     """``_functional_collectives.reduce_scatter_single``: this rank's block of the reduction
     of the ranks' ``t`` along ``scatter_dim``, traced as
     ``_c10d_functional.reduce_scatter_tensor`` and its wait."""
@@ -108,16 +150,17 @@ def reduce_scatter_single(t: torch.Tensor, reduce_op: str, scatter_dim: int, gro
 
 # c10d's group registry ----------------------------------------------------------------------
 
+
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     """The process group a functional collective names (raises for an unknown name)."""
-    return _c10d._resolve_process_group(group_name)
+    return _c10d._resolve_process_group(group_name)  # type: ignore[arg-type]  # a str NewType
 
 
 def group_size_by_name(group_name: str) -> int:
-    return _c10d._get_group_size_by_name(group_name)
+    return _c10d._get_group_size_by_name(group_name)  # type: ignore[arg-type]  # a str NewType
 
 
-def default_group() -> Optional[dist.ProcessGroup]:
+def default_group() -> dist.ProcessGroup | None:
     """The default process group, None before ``init_process_group`` (no error)."""
     return _c10d._world.default_pg
 
@@ -129,11 +172,13 @@ def default_store() -> dist.Store:
 
 # Compiled autograd and DDP's python reducer -------------------------------------------------
 
-_PYTHON_REDUCER = "python_reducer"
+_PYTHON_REDUCER: Final = "python_reducer"
 
 
-def compiled_autograd_enabled(compiler_fn: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
-    """Backward passes inside the block run under compiled autograd, compiled with ``compiler_fn``."""
+def compiled_autograd_enabled(
+    compiler_fn: Callable[..., Any],
+) -> contextlib.AbstractContextManager[None]:
+    """Backward passes in the block run under compiled autograd, with ``compiler_fn``."""
     return torch._dynamo.compiled_autograd._enable(compiler_fn)
 
 
@@ -168,7 +213,7 @@ class _InOrder(CustomGraphPass):
         for p in self.passes:
             p(graph)
 
-    def uuid(self) -> Optional[str]:
+    def uuid(self) -> str | None:
         ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
         return None if None in ids else hashlib.sha256(repr(ids).encode()).hexdigest()
 
@@ -203,15 +248,19 @@ def post_pass_setting(passes: list[Any]) -> Any:
 # FSDP2 (fully_shard, replicate) -------------------------------------------------------------
 
 FSDPReduceScatter = _fsdp_api.ReduceScatter  # the base of a set_custom_reduce_scatter comm
-_GROUPS = "_fsdp_param_groups" if hasattr(_fsdp_state.FSDPState(), "_fsdp_param_groups") else "_fsdp_param_group"
+_GROUPS = (
+    "_fsdp_param_groups"
+    if hasattr(_fsdp_state.FSDPState(), "_fsdp_param_groups")
+    else "_fsdp_param_group"
+)
 
 
-def fsdp_is_root(module: torch.nn.Module) -> Optional[bool]:
+def fsdp_is_root(module: FSDPModule) -> bool | None:
     """Whether an FSDP2 module is the root; None until FSDP2 decides it (its lazy init)."""
     return module._get_fsdp_state()._is_root
 
 
-def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
+def fsdp_param_groups(module: FSDPModule) -> list[Any]:
     """The parameter groups of one FSDP2 module (empty when it manages no parameter)."""
     groups = getattr(module._get_fsdp_state(), _GROUPS)
     if _GROUPS == "_fsdp_param_groups":
@@ -219,7 +268,7 @@ def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     return [] if groups is None else [groups]
 
 
-def fsdp_group_reduce_dtypes(group: Any) -> set[Optional[torch.dtype]]:
+def fsdp_group_reduce_dtypes(group: Any) -> set[torch.dtype | None]:
     """The ``reduce_dtype`` of the mixed-precision policies of a group's parameters."""
     return {p.mp_policy.reduce_dtype for p in group.fsdp_params}
 
@@ -227,6 +276,7 @@ def fsdp_group_reduce_dtypes(group: Any) -> set[Optional[torch.dtype]]:
 @dataclasses.dataclass(frozen=True)
 class FSDPGroupLayout:
     """How an FSDP2 parameter group is laid out over its mesh (size 0: not along that kind)."""
+
     shard_size: int
     replicate_size: int
 
@@ -235,8 +285,9 @@ def fsdp_group_layout(group: Any) -> FSDPGroupLayout:
     info = group.mesh_info
     sharded = isinstance(info, _fsdp_common.FSDPMeshInfo)
     replicated = isinstance(info, _fsdp_common.DDPMeshInfo)
-    return FSDPGroupLayout(info.shard_mesh_size if sharded else 0,
-                           info.replicate_mesh_size if replicated else 0)
+    return FSDPGroupLayout(
+        info.shard_mesh_size if sharded else 0, info.replicate_mesh_size if replicated else 0
+    )
 
 
 def fsdp_all_reduce_grads(group: Any) -> bool:
@@ -250,11 +301,14 @@ def fsdp_take_over_all_reduce(group: Any, hook: Callable[[torch.Tensor], None]) 
     plain ``DataParallelMeshInfo`` over the same mesh in its place (the original object, which
     other groups may share, is left alone), and ``hook`` as its all-reduce hook."""
     info, base = group.mesh_info, _fsdp_common.DataParallelMeshInfo
-    group.mesh_info = base(**{f.name: getattr(info, f.name) for f in dataclasses.fields(base) if f.init})
+    group.mesh_info = base(
+        **{f.name: getattr(info, f.name) for f in dataclasses.fields(base) if f.init}
+    )
     group._all_reduce_hook = hook
 
 
 # What resolved ------------------------------------------------------------------------------
+
 
 def resolved() -> dict[str, str]:
     """What each version-dependent name resolved to on the running torch."""
@@ -265,7 +319,8 @@ def resolved() -> dict[str, str]:
         "fsdp_param_groups": f"FSDPState.{_GROUPS}",
         "fsdp_group_reduce_dtypes": "FSDPParam.mp_policy.reduce_dtype",
         "compiled_autograd_enabled": "torch._dynamo.compiled_autograd._enable",
-        "custom_post_pass": ("torch._inductor.config.post_grad_custom_post_pass"
-                             + (" (a list)" if _LISTS else " (one pass)")),
+        "custom_post_pass": (
+            "torch._inductor.config.post_grad_custom_post_pass"
+            + (" (a list)" if _LISTS else " (one pass)")
+        ),
     }
-

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -52,9 +53,9 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     kind = hook_kind(hook, "ddp_comm_hook")
     if not kind.all_reduce or kind.grad_bucket:
         raise TypeError(
-            f"ddp_comm_hook: {kind.name!r} must be callable as hook(state, grad); "
-            "DDP all-reduces whole gradients, so reduce-scatter hooks (which need an output shard) "
-            "do not apply, and a DDP comm hook (state, bucket) registers with DDP directly."
+            f"ddp_comm_hook: {kind.name!r} must be callable as hook(state, grad); DDP all-reduces "
+            "whole gradients, so reduce-scatter hooks (which need an output shard) do not apply, "
+            "and a DDP comm hook (state, bucket) registers with DDP directly."
         )
     hook = kind.fn
     per_parameter, reduce_async = kind.per_parameter, kind.reduce_async
@@ -72,7 +73,8 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
             return reduce_buffer(hook, state, bucket.buffer())
         if reduce_async is not None:  # it takes the whole bucket
             return reduce_async(state, bucket)
-        for grad, param in zip(bucket.gradients(), bucket.parameters()):  # views of the bucket's buffer
+        # views of the bucket's buffer
+        for grad, param in zip(bucket.gradients(), bucket.parameters()):
             hook(state, grad, param=param)
         return completed(bucket.buffer())
 
@@ -81,13 +83,17 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     ddp_hook.__name__ = f"ddp_{hook.__name__}"
     ddp_hook.__qualname__ = f"ddp_comm_hook({getattr(hook, '__qualname__', hook.__name__)})"
     ddp_hook.__doc__ = hook.__doc__
-    ddp_hook.tensor_hook = hook  # what hook_with_zero_step unwraps: it reduces its own buckets
+    # what hook_with_zero_step unwraps: it reduces its own buckets
+    cast(Any, ddp_hook).tensor_hook = hook
     return ddp_hook
 
 
-def reduce_buffer(hook: Callable[..., Any], state: Any, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+def reduce_buffer(
+    hook: Callable[..., Any], state: Any, buffer: torch.Tensor
+) -> torch.futures.Future[torch.Tensor]:
     """``hook(state, grad)`` on a C++-reducer bucket's flat ``buffer``: its async form
-    (``hook.reduce_async``) when it has one, a pending future; else run to completion, a done one."""
+    (``hook.reduce_async``) when it has one, a pending future; else run to completion, a done
+    one."""
     reduce_async = getattr(hook, "reduce_async", None)
     if reduce_async is not None:
         return reduce_async(state, buffer)

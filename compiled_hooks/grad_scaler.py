@@ -28,7 +28,8 @@ from __future__ import annotations
 import enum
 import inspect
 from collections import defaultdict
-from typing import Any, Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class ShardedGradScaler:
         growth_factor: float = 2.0,
         growth_interval: int = 2000,
         enabled: bool = True,
-        process_group: Optional[dist.ProcessGroup] = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if growth_factor <= 1.0:
             raise ValueError(f"The growth factor must be > 1.0, got {growth_factor}.")
@@ -90,8 +91,8 @@ class ShardedGradScaler:
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = growth_interval
         self._init_growth_tracker = 0
-        self._scale: Optional[torch.Tensor] = None
-        self._growth_tracker: Optional[torch.Tensor] = None
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
         self.process_group = process_group
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(self._fresh_state)
 
@@ -103,15 +104,18 @@ class ShardedGradScaler:
 
     def _lazy_init(self, device: torch.device) -> None:
         self._scale = torch.full((1,), self._init_scale, dtype=torch.float32, device=device)
-        self._growth_tracker = torch.full((1,), self._init_growth_tracker, dtype=torch.int32, device=device)
+        self._growth_tracker = torch.full(
+            (1,), self._init_growth_tracker, dtype=torch.int32, device=device
+        )
 
-    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]) -> Any:
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
         """Multiply ``outputs`` (a tensor or nested list/tuple of tensors) by the scale."""
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
             if self._scale is None:
                 self._lazy_init(outputs.device)
+            assert self._scale is not None, "made by _lazy_init"
             return (outputs * self._scale.to(outputs.device)).type(outputs.dtype)
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
@@ -119,7 +123,9 @@ class ShardedGradScaler:
 
     def _check_initialized(self, what: str) -> torch.Tensor:
         if self._scale is None:
-            raise RuntimeError(f"Attempted {what} but the scale is not initialized: call scale() first.")
+            raise RuntimeError(
+                f"Attempted {what} but the scale is not initialized: call scale() first."
+            )
         return self._scale
 
     # --- unscale --------------------------------------------------------------------------
@@ -132,7 +138,9 @@ class ShardedGradScaler:
         scale = self._check_initialized("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is _Stage.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         inv_scale = scale.double().reciprocal().float()
@@ -148,12 +156,14 @@ class ShardedGradScaler:
         found = torch.zeros((1,), dtype=torch.float32, device=scale.device)
         with torch.no_grad():
             for device, gs in grads.items():
-                bad = torch.stack([(~torch.isfinite(g)).any() for g in gs]).any()  # before unscaling
+                bad = torch.stack(
+                    [(~torch.isfinite(g)).any() for g in gs]
+                ).any()  # before unscaling
                 torch._foreach_mul_(gs, inv_scale.to(device).reshape(()))
                 found = found + bad.to(device=scale.device, dtype=torch.float32)
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        if group is not None and dist.get_world_size(group) > 1:
-            found = fcol.all_reduce(found, "sum", group)
+        pg = self.process_group if self.process_group is not None else dist.group.WORLD
+        if pg is not None and dist.get_world_size(pg) > 1:
+            found = fcol.all_reduce(found, "sum", pg)
         state["found_inf"] = found
         state["stage"] = _Stage.UNSCALED
 
@@ -167,12 +177,17 @@ class ShardedGradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if not isinstance(optimizer, _ZERO_FIRST_STATE):
             raise TypeError(
-                f"ShardedGradScaler.step supports {', '.join(c.__name__ for c in _ZERO_FIRST_STATE)}; "
-                f"got {type(optimizer).__name__}, whose skipped steps could not be undone exactly."
+                "ShardedGradScaler.step supports "
+                f"{', '.join(c.__name__ for c in _ZERO_FIRST_STATE)}; got "
+                f"{type(optimizer).__name__}, whose skipped steps could not be undone exactly."
             )
-        if isinstance(optimizer, torch.optim.SGD) and any(g.get("dampening", 0) != 0 for g in optimizer.param_groups):
-            raise ValueError("ShardedGradScaler.step: SGD with dampening != 0 is not supported "
-                             "(its first momentum buffer is not zeros, so a skipped first step could not be undone).")
+        if isinstance(optimizer, torch.optim.SGD) and any(
+            g.get("dampening", 0) != 0 for g in optimizer.param_groups
+        ):
+            raise ValueError(
+                "ShardedGradScaler.step: SGD with dampening != 0 is not supported (its first "
+                "momentum buffer is not zeros, so a skipped first step could not be undone)."
+            )
         self._check_initialized("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
@@ -183,8 +198,14 @@ class ShardedGradScaler:
 
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         old_params = [_local(p).detach().clone() for p in params]
-        old_state = {id(p): {k: v.detach().clone() for k, v in optimizer.state[p].items()
-                             if isinstance(v, torch.Tensor)} for p in params}
+        old_state = {
+            id(p): {
+                k: v.detach().clone()
+                for k, v in optimizer.state[p].items()
+                if isinstance(v, torch.Tensor)
+            }
+            for p in params
+        }
         result = _optimizer_step(optimizer, *args, **kwargs)
         with torch.no_grad():
             for p, old in zip(params, old_params):
@@ -194,32 +215,39 @@ class ShardedGradScaler:
                 before = old_state[id(p)]
                 for k, v in optimizer.state[p].items():
                     if isinstance(v, torch.Tensor):
-                        old = before.get(k)
-                        if old is None:  # created by this step: what an untouched optimizer starts from
-                            old = torch.zeros_like(v)
+                        # None: created by this step; an untouched optimizer starts from zeros
+                        was = before.get(k)
+                        was = torch.zeros_like(v) if was is None else was
                         v_local = _local(v)
-                        v_local.copy_(torch.where(skip.to(v_local.device), _local(old), v_local))
+                        v_local.copy_(torch.where(skip.to(v_local.device), _local(was), v_local))
         state["stage"] = _Stage.STEPPED
         return result
 
     # --- update ---------------------------------------------------------------------------
 
-    def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Back the scale off if any step this iteration was skipped, grow it after
         ``growth_interval`` clean iterations; or set it to ``new_scale``."""
         if not self._enabled:
             return
         scale = self._check_initialized("update")
         tracker = self._growth_tracker
+        assert tracker is not None, "made with the scale"
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 if new_scale.numel() != 1 or new_scale.requires_grad:
-                    raise ValueError("new_scale must be a float or a 1-element tensor with requires_grad=False.")
+                    raise ValueError(
+                        "new_scale must be a float or a 1-element tensor with requires_grad=False."
+                    )
                 scale.copy_(new_scale.to(scale.device).reshape(1))
             else:
                 scale.fill_(float(new_scale))
         else:
-            found = [s["found_inf"] for s in self._per_optimizer_states.values() if s["found_inf"] is not None]
+            found = [
+                s["found_inf"]
+                for s in self._per_optimizer_states.values()
+                if s["found_inf"] is not None
+            ]
             if not found:
                 raise RuntimeError("No inf checks were recorded prior to update.")
             bad = torch.stack([f.to(scale.device) for f in found]).sum(0) > 0
@@ -227,7 +255,9 @@ class ShardedGradScaler:
             grow = grown >= self._growth_interval
             bigger = scale * self._growth_factor
             grow_ok = grow & torch.isfinite(bigger)
-            new = torch.where(bad, scale * self._backoff_factor, torch.where(grow_ok, bigger, scale))
+            new = torch.where(
+                bad, scale * self._backoff_factor, torch.where(grow_ok, bigger, scale)
+            )
             new_tracker = torch.where(bad | grow, torch.zeros_like(tracker), grown)
             scale.copy_(new)
             tracker.copy_(new_tracker)
@@ -241,7 +271,11 @@ class ShardedGradScaler:
         return self._init_scale if self._scale is None else float(self._scale.item())
 
     def _get_growth_tracker(self) -> int:
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+        return (
+            self._init_growth_tracker
+            if self._growth_tracker is None
+            else int(self._growth_tracker.item())
+        )
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -267,21 +301,27 @@ class ShardedGradScaler:
     def state_dict(self) -> dict[str, Any]:
         if not self._enabled:
             return {}
-        return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
-                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-                "_growth_tracker": self._get_growth_tracker()}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._enabled:
             return
         if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved "
-                               "from a disabled instance of GradScaler.")
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler."
+            )
         self._init_scale = float(state_dict["scale"])
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = int(state_dict["growth_interval"])
         self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        if self._scale is not None:
+        if self._scale is not None and self._growth_tracker is not None:
             self._scale.fill_(self._init_scale)
             self._growth_tracker.fill_(self._init_growth_tracker)

@@ -8,8 +8,9 @@ refuse the others before any collective; they all ask :func:`hook_kind`.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 __all__ = ["HookKind", "hook_kind"]
 
@@ -29,13 +30,14 @@ class HookKind:
 
     ``fn`` is the hook itself: for a :func:`compiled_hooks.ddp_comm_hook` wrapper, the hook it
     wraps."""
+
     fn: Callable[..., Any]
     name: str
     all_reduce: bool
     reduce_scatter: bool
     per_parameter: bool
     grad_bucket: bool
-    reduce_async: Optional[Callable[..., Any]]
+    reduce_async: Callable[..., Any] | None
 
 
 def hook_kind(hook: Any, caller: str) -> HookKind:
@@ -44,7 +46,9 @@ def hook_kind(hook: Any, caller: str) -> HookKind:
         raise TypeError(f"{caller}: hook must be callable, got {type(hook).__name__}.")
     fn = getattr(hook, "tensor_hook", hook)  # ddp_comm_hook(h): h
     params = inspect.signature(fn).parameters
-    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     required, accepted = sum(p.default is p.empty for p in positional), len(positional)
     return HookKind(
         fn=fn,

@@ -34,7 +34,6 @@ the wire dtype, like the original.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,8 +45,9 @@ from .state import DefaultState, LowPrecisionState
 __all__ = ["allreduce_hook", "reduce_scatter_hook", "fp16_compress_hook", "bf16_compress_hook"]
 
 
-def _to_wire(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dtype],
-             inplace: bool = False) -> torch.Tensor:
+def _to_wire(
+    state: DefaultState, grad: torch.Tensor, wire: torch.dtype | None, inplace: bool = False
+) -> torch.Tensor:
     """Before the collective: ``grad / pre``, in the ``wire`` dtype (``None``: ``grad``'s).
     ``inplace`` divides ``grad`` itself (the C++ reducer's bucket, which the result overwrites):
     the same values, without a temporary."""
@@ -66,19 +66,24 @@ def _from_wire(state: DefaultState, summed: torch.Tensor, inplace: bool = False)
     return summed
 
 
-def _all_reduce(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dtype] = None) -> torch.Tensor:
+def _all_reduce(
+    state: DefaultState, grad: torch.Tensor, wire: torch.dtype | None = None
+) -> torch.Tensor:
     t = fcol.all_reduce(_to_wire(state, grad, wire), "sum", state.process_group)
     return _from_wire(state, t)
 
 
-def _reduce_scatter(state: DefaultState, grad: torch.Tensor, wire: Optional[torch.dtype] = None) -> torch.Tensor:
+def _reduce_scatter(
+    state: DefaultState, grad: torch.Tensor, wire: torch.dtype | None = None
+) -> torch.Tensor:
     flat = _to_wire(state, grad, wire).reshape(-1)
     t = compat.reduce_scatter_single(flat, "sum", 0, state.process_group)
     return _from_wire(state, t)
 
 
-def _all_reduce_future(state: DefaultState, grad: torch.Tensor,
-                       wire: Optional[torch.dtype] = None) -> torch.futures.Future[torch.Tensor]:
+def _all_reduce_future(
+    state: DefaultState, grad: torch.Tensor, wire: torch.dtype | None = None
+) -> torch.futures.Future[torch.Tensor]:
     """:func:`_all_reduce` into ``grad`` with an async collective: ``grad`` is pre-divided in
     place (and cast to the wire dtype), the all_reduce is issued, and the post-division and the
     copy back into ``grad`` run as the returned future's continuation, which completes with
@@ -126,7 +131,7 @@ def _low_precision_hook(
     wire: torch.dtype,
     state: LowPrecisionState,
     grad: torch.Tensor,
-    output: Optional[torch.Tensor],
+    output: torch.Tensor | None,
 ) -> None:
     validation.check_state(name, state, low_precision=True)
     validation.check_tensor(name, "grad", grad)
@@ -140,8 +145,9 @@ def _low_precision_hook(
         output.copy_(_reduce_scatter(state, grad, wire).view(output.shape).to(state.parameter_type))
 
 
-def _low_precision_async(name: str, wire: torch.dtype, state: LowPrecisionState,
-                         grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+def _low_precision_async(
+    name: str, wire: torch.dtype, state: LowPrecisionState, grad: torch.Tensor
+) -> torch.futures.Future[torch.Tensor]:
     validation.check_state(name, state, low_precision=True)
     validation.check_tensor(name, "grad", grad)
     validation.check_dtype(name, "grad", grad, state.parameter_type)
@@ -149,7 +155,7 @@ def _low_precision_async(name: str, wire: torch.dtype, state: LowPrecisionState,
 
 
 def fp16_compress_hook(
-    state: LowPrecisionState, grad: torch.Tensor, output: Optional[torch.Tensor] = None
+    state: LowPrecisionState, grad: torch.Tensor, output: torch.Tensor | None = None
 ) -> None:
     """Average ``grad`` communicating in float16; result in ``grad`` (or the shard in ``output``).
 
@@ -160,7 +166,7 @@ def fp16_compress_hook(
 
 
 def bf16_compress_hook(
-    state: LowPrecisionState, grad: torch.Tensor, output: Optional[torch.Tensor] = None
+    state: LowPrecisionState, grad: torch.Tensor, output: torch.Tensor | None = None
 ) -> None:
     """Same as :func:`fp16_compress_hook`, communicating in bfloat16."""
     _low_precision_hook("bf16_compress_hook", torch.bfloat16, state, grad, output)
@@ -169,6 +175,8 @@ def bf16_compress_hook(
 # The C++ reducer's form of each all-reduce hook (see the module docstring).
 allreduce_hook.reduce_async = _allreduce_async  # type: ignore[attr-defined]
 fp16_compress_hook.reduce_async = functools.partial(  # type: ignore[attr-defined]
-    _low_precision_async, "fp16_compress_hook", torch.float16)
+    _low_precision_async, "fp16_compress_hook", torch.float16
+)
 bf16_compress_hook.reduce_async = functools.partial(  # type: ignore[attr-defined]
-    _low_precision_async, "bf16_compress_hook", torch.bfloat16)
+    _low_precision_async, "bf16_compress_hook", torch.bfloat16
+)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class Slot:
     __slots__ = ["issue", "future"]
 
     def __init__(self) -> None:
-        self.issue: Optional[Issue] = None
+        self.issue: Issue | None = None
         self.future: torch.futures.Future[Any] = torch.futures.Future()
 
 
@@ -46,7 +47,7 @@ def _forward(source: torch.futures.Future[Any], target: torch.futures.Future[Any
     def done(fut: torch.futures.Future[Any]) -> None:
         try:
             value = fut.value()
-        except Exception as e:  # noqa: BLE001 - handed on to whoever waits for the slot
+        except Exception as e:  # handed on to whoever waits for the slot
             target.set_exception(e)
         else:
             target.set_result(value)
@@ -84,9 +85,12 @@ class InOrder:
         try:
             while self._slots and self._slots[0].issue is not None:
                 slot = self._slots.popleft()
+                issue = slot.issue
+                assert issue is not None, "checked before the pop"
                 try:
-                    issued = slot.issue()
-                except Exception as e:  # noqa: BLE001 - the slot's waiter sees it; the order goes on
+                    issued = issue()
+                except Exception as e:
+                    # the slot's waiter sees it; the order goes on
                     slot.future.set_exception(e)
                 else:
                     _forward(issued, slot.future)

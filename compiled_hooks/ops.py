@@ -30,15 +30,17 @@ from . import compat, rank_guard
 
 __all__ = ["group_rank", "register_powersgd_state", "GROUP_RANK", "POWERSGD_COUNT", "CHECK_RANKS"]
 
-_POWERSGD_STATES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_POWERSGD_STATES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _POWERSGD_IDS = itertools.count()
 
 
 @torch.library.custom_op("compiled_hooks::group_rank", mutates_args=())
 def group_rank(group_name: str, device: torch.device) -> torch.Tensor:
-    """This rank's index in the process group named ``group_name``, as ``int64[1]`` on ``device``."""
+    """This rank's index in the group named ``group_name``, as ``int64[1]`` on ``device``."""
     group = compat.resolve_process_group(group_name)
-    return torch.full((1,), group.rank(), dtype=torch.int64, device=device)  # a fill, no host-to-device copy
+    return torch.full(
+        (1,), group.rank(), dtype=torch.int64, device=device
+    )  # a fill, no host-to-device copy
 
 
 @group_rank.register_fake
@@ -47,13 +49,17 @@ def _(group_name: str, device: torch.device) -> torch.Tensor:
 
 
 @torch.library.custom_op("compiled_hooks::powersgd_count", mutates_args=())
-def powersgd_count(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int) -> torch.Tensor:
+def powersgd_count(
+    grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int
+) -> torch.Tensor:
     """Count one hook call of ``slot`` for the PowerSGD state ``state_id`` and return the Q
     (``q_rows x q_cols``) this call starts from; empty for a call that does not compress.
     Returning Q ties the read of the state to this call's place in the graph."""
     state = _POWERSGD_STATES.get(state_id)
     if state is None:
-        raise RuntimeError(f"powerSGD_hook: the PowerSGDState this graph was compiled with (id {state_id}) is gone")
+        raise RuntimeError(
+            f"powerSGD_hook: the PowerSGDState this graph was compiled with (id {state_id}) is gone"
+        )
     return state._counted(slot, grad, q_rows, q_cols)
 
 

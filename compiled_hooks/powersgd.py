@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,17 +62,21 @@ from .in_order import InOrder
 __all__ = ["PowerSGDState", "powerSGD_hook", "reduce_bucket_async"]
 
 
-
 class _Slot:
     """One parameter's compression state."""
 
     __slots__ = ["shape", "dtype", "device", "compress", "q_shape", "error", "q"]
 
     def __init__(self, grad: torch.Tensor, compress: bool, rank: int):
-        self.shape, self.dtype, self.device, self.compress = grad.shape, grad.dtype, grad.device, compress
+        self.shape, self.dtype, self.device, self.compress = (
+            grad.shape,
+            grad.dtype,
+            grad.device,
+            compress,
+        )
         self.q_shape = self.q_shape_of(grad.shape, rank)
-        self.error: Optional[torch.Tensor] = None  # n x m, with error feedback
-        self.q: Optional[torch.Tensor] = None  # Q transposed (r x m), with warm start
+        self.error: torch.Tensor | None = None  # n x m, with error feedback
+        self.q: torch.Tensor | None = None  # Q transposed (r x m), with warm start
 
     @staticmethod
     def q_shape_of(shape: torch.Size, rank: int) -> tuple[int, int]:
@@ -80,14 +85,17 @@ class _Slot:
         return min(n, m, rank), m
 
 
-def _matrix_shape(shape: torch.Size) -> Optional[tuple[int, int]]:
+def _matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
     if len(shape) == 0 or shape.numel() == 0:
         return None
     return shape[0], shape.numel() // shape[0]
 
 
-def _should_compress(shape: torch.Size, rank: int, min_compression_rate: float) -> tuple[bool, int, int]:
-    """(compress?, elements before, elements after) for a gradient of ``shape``: the original's rule."""
+def _should_compress(
+    shape: torch.Size, rank: int, min_compression_rate: float
+) -> tuple[bool, int, int]:
+    """(compress?, elements before, elements after) for a gradient of ``shape``, by the original's
+    rule."""
     nm = _matrix_shape(shape)
     if nm is None:
         return False, shape.numel(), shape.numel()
@@ -96,7 +104,9 @@ def _should_compress(shape: torch.Size, rank: int, min_compression_rate: float) 
     return (n + m) * r * min_compression_rate < n * m, n * m, (n + m) * r
 
 
-def random_q(seed: int, slot: int, step: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def random_q(
+    seed: int, slot: int, step: int, shape: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
     """The Q a slot starts from at ``step``: standard normal (on the CPU) from a generator seeded
     by the state's seed, the slot and the step, so every rank draws the same."""
     g = torch.Generator().manual_seed(seed + 1_000_003 * slot + 7_919 * step)
@@ -124,31 +134,59 @@ class PowerSGDState:
     ``compression_stats()`` reports the element counts as the original does.
     """
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, matrix_approximation_rank: int = 1,
-                 start_powerSGD_iter: int = 1_000, min_compression_rate: float = 2, use_error_feedback: bool = True,
-                 warm_start: bool = True, orthogonalization_epsilon: float = 0, random_seed: int = 0):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        matrix_approximation_rank: int = 1,
+        start_powerSGD_iter: int = 1_000,
+        min_compression_rate: float = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0,
+        random_seed: int = 0,
+    ):
         if process_group is None:
             if not dist.is_initialized():
-                raise RuntimeError("PowerSGDState: torch.distributed is not initialized and no process_group was given")
+                raise RuntimeError(
+                    "PowerSGDState: torch.distributed is not initialized and no process_group was "
+                    "given"
+                )
             process_group = dist.group.WORLD
         if not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"PowerSGDState expects a torch.distributed.ProcessGroup, got {type(process_group).__name__}.")
-        for name, value in (("matrix_approximation_rank", matrix_approximation_rank),
-                            ("start_powerSGD_iter", start_powerSGD_iter), ("random_seed", random_seed)):
+            raise TypeError(
+                "PowerSGDState expects a torch.distributed.ProcessGroup, got "
+                f"{type(process_group).__name__}."
+            )
+        for name, value in (
+            ("matrix_approximation_rank", matrix_approximation_rank),
+            ("start_powerSGD_iter", start_powerSGD_iter),
+            ("random_seed", random_seed),
+        ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"PowerSGDState: {name} must be an int, got {value!r}")
         if matrix_approximation_rank < 1:
-            raise ValueError(f"PowerSGDState: matrix_approximation_rank must be >= 1, got {matrix_approximation_rank}")
+            raise ValueError(
+                "PowerSGDState: matrix_approximation_rank must be >= 1, got "
+                f"{matrix_approximation_rank}"
+            )
         if start_powerSGD_iter < 0:
-            raise ValueError(f"PowerSGDState: start_powerSGD_iter must be >= 0, got {start_powerSGD_iter}")
+            raise ValueError(
+                f"PowerSGDState: start_powerSGD_iter must be >= 0, got {start_powerSGD_iter}"
+            )
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ValueError("PowerSGDState: start_powerSGD_iter must be > 1 with use_error_feedback or warm_start "
-                             "(the state is set up from the first steps' gradients), as in the original")
+            raise ValueError(
+                "PowerSGDState: start_powerSGD_iter must be > 1 with use_error_feedback or "
+                "warm_start (the state is set up from the first steps' gradients), as in the "
+                "original"
+            )
         # Any number, with the original's meaning: a rate of 0 or below compresses every matrix.
-        for name, value in (("min_compression_rate", min_compression_rate),
-                            ("orthogonalization_epsilon", orthogonalization_epsilon)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"PowerSGDState: {name} must be a number, got {value!r}")
+        numbers: tuple[tuple[str, float], ...] = (
+            ("min_compression_rate", min_compression_rate),
+            ("orthogonalization_epsilon", orthogonalization_epsilon),
+        )
+        for name, number in numbers:
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise TypeError(f"PowerSGDState: {name} must be a number, got {number!r}")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.matrix_approximation_rank = matrix_approximation_rank
@@ -160,9 +198,11 @@ class PowerSGDState:
         self.random_seed = random_seed
         self.iter = 0
         self.compressing = start_powerSGD_iter == 0
-        self._slot_of: dict[torch.Tensor, int] = {}  # parameter (or gradient) -> slot number, in first-call order
+        self._slot_of: dict[
+            torch.Tensor, int
+        ] = {}  # parameter (or gradient) -> slot number, in first-call order
         self._slots: dict[int, _Slot] = {}
-        self._per_step: Optional[int] = None  # hook calls per step, known after the first step
+        self._per_step: int | None = None  # hook calls per step, known after the first step
         self._seen: set[int] = set()  # slots called in this step
         self._in_order = InOrder()  # the C++ reducer's form issues its collectives through it
         self._id = ops.register_powersgd_state(self)
@@ -171,7 +211,9 @@ class PowerSGDState:
 
     def _counted(self, slot: int, grad: torch.Tensor, q_rows: int, q_cols: int) -> torch.Tensor:
         if slot not in self._slots:
-            compress, _, _ = _should_compress(grad.shape, self.matrix_approximation_rank, self.min_compression_rate)
+            compress, _, _ = _should_compress(
+                grad.shape, self.matrix_approximation_rank, self.min_compression_rate
+            )
             self._slots[slot] = _Slot(grad, compress, self.matrix_approximation_rank)
         if slot in self._seen:  # a parameter's second call: a new step began
             if self._per_step is None:
@@ -192,7 +234,12 @@ class PowerSGDState:
     def _random_qt(self, slot: int) -> torch.Tensor:
         s = self._slots[slot]
         r, m = s.q_shape
-        return random_q(self.random_seed, slot, self.iter, (m, r), s.dtype).t().contiguous().to(s.device)
+        return (
+            random_q(self.random_seed, slot, self.iter, (m, r), s.dtype)
+            .t()
+            .contiguous()
+            .to(s.device)
+        )
 
     def _step_done(self) -> None:
         self._seen.clear()
@@ -208,21 +255,29 @@ class PowerSGDState:
             if self.warm_start:
                 s.q = self._random_qt(slot)
             if self.use_error_feedback:
-                s.error = torch.zeros(_matrix_shape(s.shape), dtype=s.dtype, device=s.device)
+                shape = _matrix_shape(s.shape)
+                assert shape is not None, "a compressed gradient is a matrix"
+                s.error = torch.zeros(shape, dtype=s.dtype, device=s.device)
         self.compressing = True
 
     def compression_stats(self) -> tuple[float, int, int]:
         """(rate, elements before, elements after compression) per step, as the original reports."""
         before = after = 0
         for s in self._slots.values():
-            _, b, a = _should_compress(s.shape, self.matrix_approximation_rank, self.min_compression_rate)
+            _, b, a = _should_compress(
+                s.shape, self.matrix_approximation_rank, self.min_compression_rate
+            )
             before += b
             after += a if s.compress else b
         return (before / after if after else 0.0), before, after
 
     def __repr__(self) -> str:
-        return (f"PowerSGDState(world_size={self.world_size}, matrix_approximation_rank={self.matrix_approximation_rank}, "
-                f"start_powerSGD_iter={self.start_powerSGD_iter}, iter={self.iter}, compressing={self.compressing})")
+        return (
+            f"PowerSGDState(world_size={self.world_size}, "
+            f"matrix_approximation_rank={self.matrix_approximation_rank}, "
+            f"start_powerSGD_iter={self.start_powerSGD_iter}, iter={self.iter}, "
+            f"compressing={self.compressing})"
+        )
 
 
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0, dim: int = 1) -> torch.Tensor:
@@ -240,16 +295,22 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0, dim: int = 1) -> t
         for u in out:
             v = v - (u * v).sum(-1, keepdim=True) * u
         norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
-        out.append(v / (norm + epsilon) if epsilon else torch.where(norm > 0, v / norm, torch.zeros_like(v)))
+        out.append(
+            v / (norm + epsilon)
+            if epsilon
+            else torch.where(norm > 0, v / norm, torch.zeros_like(v))
+        )
     return torch.stack(out, -2 if dim == 0 else -1)
 
 
-def _orthogonalize_each(matrices: list[torch.Tensor], epsilon: float, dim: int) -> list[torch.Tensor]:
+def _orthogonalize_each(
+    matrices: list[torch.Tensor], epsilon: float, dim: int
+) -> list[torch.Tensor]:
     """:func:`orthogonalize` of every matrix; those of one shape and dtype in one batch."""
     groups: dict[tuple, list[int]] = {}
     for i, m in enumerate(matrices):
         groups.setdefault((m.shape, m.dtype, m.device), []).append(i)
-    out: list[Optional[torch.Tensor]] = [None] * len(matrices)
+    out: list[torch.Tensor | None] = [None] * len(matrices)
     for members in groups.values():
         if len(members) == 1:
             out[members[0]] = orthogonalize(matrices[members[0]], epsilon, dim)
@@ -265,8 +326,10 @@ def _slot(state: PowerSGDState, key: torch.Tensor) -> int:
     if slot is None:
         if state._per_step is not None:
             raise ValueError(
-                f"powerSGD_hook: this PowerSGDState already serves a model of {state._per_step} parameters and "
-                "was given another parameter; make one PowerSGDState per DDP model.")
+                f"powerSGD_hook: this PowerSGDState already serves a model of {state._per_step} "
+                "parameters and was given another parameter; make one PowerSGDState per DDP "
+                "model."
+            )
         slot = len(state._slot_of)
         state._slot_of[key] = slot
     return slot
@@ -299,7 +362,8 @@ def _total(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _low_rank_products(p: torch.Tensor, qt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``P Q^T`` twice: for the new error and for the gradient (``p``: ``n x r``, ``qt``: ``r x m``).
+    """``P Q^T`` twice: for the new error and for the gradient (``p``: ``n x r``, ``qt``:
+    ``r x m``).
 
     Eager, one GEMM. Traced, for ``r <= UNROLLED_RANK``, sums of ``r`` outer products, which are
     pointwise, so Inductor computes each inside the kernel that writes the error or the gradient
@@ -311,7 +375,7 @@ def _low_rank_products(p: torch.Tensor, qt: torch.Tensor) -> tuple[torch.Tensor,
     if not torch.compiler.is_compiling() or r > UNROLLED_RANK:
         approx = p @ qt
         return approx, approx
-    terms = [p[:, k:k + 1] * qt[k:k + 1] for k in range(r)]
+    terms = [p[:, k : k + 1] * qt[k : k + 1] for k in range(r)]
     return _total(terms), _total(terms[::-1])
 
 
@@ -327,14 +391,29 @@ class _Call:
 
     __slots__ = ["grad", "kind", "m", "q0", "q_hat", "error", "warm_q"]
 
-    def __init__(self, grad: torch.Tensor, kind: str, m: Optional[torch.Tensor] = None,
-                 q0: Optional[torch.Tensor] = None, error: Optional[torch.Tensor] = None,
-                 warm_q: Optional[torch.Tensor] = None):
-        self.grad, self.kind, self.m, self.q0, self.error, self.warm_q = grad, kind, m, q0, error, warm_q
-        self.q_hat: Optional[torch.Tensor] = None
+    def __init__(
+        self,
+        grad: torch.Tensor,
+        kind: str,
+        m: torch.Tensor | None = None,
+        q0: torch.Tensor | None = None,
+        error: torch.Tensor | None = None,
+        warm_q: torch.Tensor | None = None,
+    ):
+        self.grad, self.kind, self.m, self.q0, self.error, self.warm_q = (
+            grad,
+            kind,
+            m,
+            q0,
+            error,
+            warm_q,
+        )
+        self.q_hat: torch.Tensor | None = None
 
 
-def _begin(state: PowerSGDState, grad: torch.Tensor, param: Optional[torch.Tensor], eager: bool = False) -> _Call:
+def _begin(
+    state: PowerSGDState, grad: torch.Tensor, param: torch.Tensor | None, eager: bool = False
+) -> _Call:
     """Before the first collective: checks, the call's count, ``M`` (the error folded in) and
     the starting ``Q``. ``eager``: never traced (the C++ reducer's form), so the count needs no
     custom op."""
@@ -344,12 +423,20 @@ def _begin(state: PowerSGDState, grad: torch.Tensor, param: Optional[torch.Tenso
     validation.check_tensor(name, "grad", grad)
     slot = _slot(state, grad if param is None else param)
     compressing = state.compressing  # read first: this very call may switch compression on
-    compress, _, _ = _should_compress(grad.shape, state.matrix_approximation_rank, state.min_compression_rate)
+    compress, _, _ = _should_compress(
+        grad.shape, state.matrix_approximation_rank, state.min_compression_rate
+    )
     s = state._slots.get(slot)  # None only in the first step
     if s is not None and grad.shape != s.shape:
-        raise ValueError(f"{name}: gradient of shape {tuple(grad.shape)} for a parameter whose gradient had shape "
-                         f"{tuple(s.shape)}")
-    q_shape = _Slot.q_shape_of(grad.shape, state.matrix_approximation_rank) if compressing and compress else (0, 0)
+        raise ValueError(
+            f"{name}: gradient of shape {tuple(grad.shape)} for a parameter whose gradient had "
+            f"shape {tuple(s.shape)}"
+        )
+    q_shape = (
+        _Slot.q_shape_of(grad.shape, state.matrix_approximation_rank)
+        if compressing and compress
+        else (0, 0)
+    )
     if eager:  # what the op runs, without its dispatch
         q0 = state._counted(slot, grad, *q_shape)
     else:  # traced, the count must happen when the graph runs
@@ -364,28 +451,38 @@ def _begin(state: PowerSGDState, grad: torch.Tensor, param: Optional[torch.Tenso
     return _Call(grad, LOW_RANK, m, q0, error, s.q if s is not None else None)
 
 
+def _set(t: torch.Tensor | None) -> torch.Tensor:
+    """A ``LOW_RANK`` call's tensor, set by the time it is read."""
+    assert t is not None, "read before it was set"
+    return t
+
+
 def _p_locals(state: PowerSGDState, calls: list[_Call]) -> list[torch.Tensor]:
     """This rank's ``P = M Q`` of every call, to be summed over the ranks; ``Q`` orthogonalized
     first (the calls' Q of one shape in one batch)."""
-    q_hats = _orthogonalize_each([c.q0 for c in calls], state.orthogonalization_epsilon, dim=0)
+    q_hats = _orthogonalize_each(
+        [_set(c.q0) for c in calls], state.orthogonalization_epsilon, dim=0
+    )
     for c, q_hat in zip(calls, q_hats):
         c.q_hat = q_hat.t()
-    return [c.m @ c.q_hat for c in calls]
+    return [_set(c.m) @ _set(c.q_hat) for c in calls]
 
 
-def _q_locals(state: PowerSGDState, calls: list[_Call], p_sums: list[torch.Tensor]
-              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _q_locals(
+    state: PowerSGDState, calls: list[_Call], p_sums: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``(P, this rank's Q^T)`` of every call from its summed ``P``: ``P`` orthogonalized (those of
     one shape in one batch), ``Q^T = P^T M``.
 
     Q is kept transposed (r x m) and computed from ``P^T`` made contiguous, so both products are
     row-major GEMMs over M (a GEMM through a transposed view is far slower)."""
     ps = _orthogonalize_each(p_sums, state.orthogonalization_epsilon, dim=1)
-    return ps, [p.t().contiguous() @ c.m for c, p in zip(calls, ps)]
+    return ps, [p.t().contiguous() @ _set(c.m) for c, p in zip(calls, ps)]
 
 
 def _finish(state: PowerSGDState, call: _Call, p: torch.Tensor, qt_sum: torch.Tensor) -> None:
-    """After the last collective: ``grad = P Q^T`` with ``Q`` averaged; the error and warm Q kept."""
+    """After the last collective: ``grad = P Q^T`` with ``Q`` averaged; the error and warm Q
+    kept."""
     qt = qt_sum / state.world_size
     approx_for_error, approx = _low_rank_products(p, qt)
     if call.error is not None:
@@ -395,7 +492,9 @@ def _finish(state: PowerSGDState, call: _Call, p: torch.Tensor, qt_sum: torch.Te
     call.grad.copy_(approx.view_as(call.grad))
 
 
-def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[torch.Tensor] = None) -> None:
+def powerSGD_hook(
+    state: PowerSGDState, grad: torch.Tensor, *, param: torch.Tensor | None = None
+) -> None:
     """Average ``grad`` across ``state.process_group`` in place, PowerSGD-compressed once
     ``state.start_powerSGD_iter`` steps are done (see the module docstring).
 
@@ -419,15 +518,19 @@ def powerSGD_hook(state: PowerSGDState, grad: torch.Tensor, *, param: Optional[t
 
 
 def _all_reduce_async(state: PowerSGDState, flat: torch.Tensor) -> torch.futures.Future[Any]:
-    return dist.all_reduce(flat, dist.ReduceOp.SUM, group=state.process_group, async_op=True).get_future()
+    return dist.all_reduce(
+        flat, dist.ReduceOp.SUM, group=state.process_group, async_op=True
+    ).get_future()
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def _unflat(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+def _unflat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    return [
+        part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)
+    ]
 
 
 def reduce_bucket_async(state: PowerSGDState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -446,12 +549,15 @@ def reduce_bucket_async(state: PowerSGDState, bucket: Any) -> torch.futures.Futu
     The Q all_reduce is issued from P's continuation, in an order fixed when the hook is called
     (:class:`~compiled_hooks.in_order.InOrder`: U_k, P_k, Q_k, then bucket k+1's), so every rank
     issues the same sequence. Every check and every count runs before the first collective."""
-    calls = [_begin(state, g, p, eager=True) for g, p in zip(bucket.gradients(), bucket.parameters())]
+    calls = [
+        _begin(state, g, p, eager=True) for g, p in zip(bucket.gradients(), bucket.parameters())
+    ]
     buffer, order = bucket.buffer(), state._in_order
     if all(c.kind == AVERAGE for c in calls):  # the gradients are views of the whole buffer
         slot = order.reserve()
-        return order.fill(slot, lambda: _all_reduce_async(state, buffer.div_(state.world_size))).then(
-            lambda _: buffer)
+        return order.fill(
+            slot, lambda: _all_reduce_async(state, buffer.div_(state.world_size))
+        ).then(lambda _: buffer)
     plain = [c for c in calls if c.kind == SUM]
     low = [c for c in calls if c.kind == LOW_RANK]
     u_slot = order.reserve() if plain else None
@@ -468,8 +574,8 @@ def reduce_bucket_async(state: PowerSGDState, bucket: Any) -> torch.futures.Futu
         waits.append(order.fill(u_slot, lambda: _all_reduce_async(state, u)).then(unpack_u))
     if p_slot is not None and q_slot is not None:
         p_flat = _flat(_p_locals(state, low))
-        p_shapes = [(c.m.shape[0], c.q_hat.shape[1]) for c in low]  # n x r
-        q_shapes = [(c.q_hat.shape[1], c.m.shape[1]) for c in low]  # r x m
+        p_shapes = [(_set(c.m).shape[0], _set(c.q_hat).shape[1]) for c in low]  # n x r
+        q_shapes = [(_set(c.q_hat).shape[1], _set(c.m).shape[1]) for c in low]  # r x m
         ps: list[torch.Tensor] = []
 
         def compute_q(fut: torch.futures.Future[Any]) -> None:

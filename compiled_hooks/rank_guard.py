@@ -41,7 +41,6 @@ import json
 import logging
 import threading
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -70,12 +69,14 @@ class _Group:
     store: dist.Store
     timeout: float
     issued: int = 0  # collectives of guarded graphs started on this group
-    history: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=32))
+    history: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=32)
+    )
     agreed: set = dataclasses.field(default_factory=set)  # signatures checked with every rank
     open: set = dataclasses.field(default_factory=set)  # positions other ranks check at
     answered: set = dataclasses.field(default_factory=set)
     events_seen: int = 0
-    verdict: Optional[str] = None
+    verdict: str | None = None
     raised: bool = False  # the verdict has been raised on this rank
 
     def key(self, *parts: object) -> str:
@@ -100,18 +101,20 @@ class _Group:
 
 
 _lock = threading.Lock()  # guards _groups (the main thread adds, the watchdog reads)
-_groups: dict[str, Optional[_Group]] = {}
+_groups: dict[str, _Group | None] = {}
 _plans: dict[str, list[tuple[_Group, list]]] = {}  # agreed record -> its groups' entries
-_world: Optional[dist.ProcessGroup] = None  # the default group the state above belongs to
-_watchdog: Optional[threading.Thread] = None
+_world: dist.ProcessGroup | None = None  # the default group the state above belongs to
+_watchdog: threading.Thread | None = None
 _stopping = threading.Event()
 
 
-def unraised_verdict() -> Optional[RankDivergenceError]:
+def unraised_verdict() -> RankDivergenceError | None:
     """The divergence this rank's watchdog learned of and no guard has raised here yet, as the
     error to raise; None if there is none."""
     with _lock:
-        group = next((g for g in _groups.values() if g is not None and g.verdict and not g.raised), None)
+        group = next(
+            (g for g in _groups.values() if g is not None and g.verdict and not g.raised), None
+        )
     return None if group is None else group.error()
 
 
@@ -138,22 +141,33 @@ def _comparable(entry: list) -> list:
     return entry[:3]  # op, agreeing arguments, input dtype and shape; not the source line
 
 
-def _group(name: str) -> Optional[_Group]:
+def _group(name: str) -> _Group | None:
     with _lock:
         if name in _groups:
             return _groups[name]
     try:
         pg = compat.resolve_process_group(name)
-    except Exception as e:  # noqa: BLE001
-        raise RuntimeError(f"rank guard: the compiled graph communicates on process group {name!r}, "
-                           f"which this process does not know (destroyed?): {e}") from None
+    except Exception as e:
+        raise RuntimeError(
+            f"rank guard: the compiled graph communicates on process group {name!r}, which this "
+            f"process does not know (destroyed?): {e}"
+        ) from None
     group = None
-    if pg.size() > 1 and str(c10d.get_backend(pg)).lower() != "fake":  # else nothing to compare with
+    # else nothing to compare with
+    if pg.size() > 1 and str(c10d.get_backend(pg)).lower() != "fake":
         try:
             timeout = pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        except Exception:  # noqa: BLE001 - a backend without options: the default collective timeout
+        except Exception:
+            # a backend without options: the default collective timeout
             timeout = c10d.default_pg_timeout.total_seconds()
-        group = _Group(name, pg, dist.get_process_group_ranks(pg), dist.get_rank(), compat.default_store(), timeout)
+        group = _Group(
+            name,
+            pg,
+            dist.get_process_group_ranks(pg),
+            dist.get_rank(),
+            compat.default_store(),
+            timeout,
+        )
     with _lock:
         return _groups.setdefault(name, group)
 
@@ -186,7 +200,7 @@ def _exchange(group: _Group, entries: list) -> None:
     """Publish ``entries`` at this rank's position, wait for every other rank's, compare."""
     pos, store = group.issued, group.store
     store.set(group.key(pos, group.me), json.dumps({"entries": entries, "how": _NEW}))
-    store.append(group.key("open"), f"{pos},")
+    store.append(group.key("open"), f"{pos},")  # type: ignore[attr-defined]  # not in the stub
     store.add(group.key("events"), 1)
     answers, how = {group.me: entries}, {group.me: _NEW}
     deadline = time.monotonic() + group.timeout
@@ -201,9 +215,11 @@ def _exchange(group: _Group, entries: list) -> None:
         if group.read_verdict():  # another rank found a divergence elsewhere
             raise group.error()
         if pending and time.monotonic() > deadline:
-            group.learn(f"rank guard: rank(s) {pending} of process group {group.name!r} did not reach collective "
-                        f"#{pos} on it within {group.timeout:.0f} s (the group's timeout), where rank {group.me} "
-                        f"waits to start a new graph with {_describe(entries[0])}")
+            group.learn(
+                f"rank guard: rank(s) {pending} of process group {group.name!r} did not reach "
+                f"collective #{pos} on it within {group.timeout:.0f} s (the group's timeout), "
+                f"where rank {group.me} waits to start a new graph with {_describe(entries[0])}"
+            )
             raise group.error()
     message = _compare(group, pos, answers, how)
     if message is not None:
@@ -223,32 +239,52 @@ def _describe(entry: list) -> str:
     return f"{op}{args} {shapes}" + (f"  at {entry[3]}" if entry[3] else "")
 
 
-def _compare(group: _Group, pos: int, answers: dict[int, list], how: dict[int, str]) -> Optional[str]:
+def _compare(group: _Group, pos: int, answers: dict[int, list], how: dict[int, str]) -> str | None:
     """The verdict on ``answers`` (rank -> its collectives from ``pos`` on), the same text on
     every rank; None when they agree over the positions they all cover."""
     ranks = sorted(answers)
     shortest = min(len(a) for a in answers.values())
     # a rank with nothing to show (it passed the position long ago) differs at the position itself
-    i = next((i for i in range(shortest) if len({json.dumps(_comparable(answers[q][i])) for q in ranks}) > 1),
-             None if shortest else 0)
+    i = next(
+        (
+            i
+            for i in range(shortest)
+            if len({json.dumps(_comparable(answers[q][i])) for q in ranks}) > 1
+        ),
+        None if shortest else 0,
+    )
     if i is None:
         return None
-    lines = [f"  rank {q}: {_describe(answers[q][i]) if i < len(answers[q]) else '(unknown)'}   ({how[q]})"
-             for q in ranks]
+    lines = [
+        f"  rank {q}: {_describe(answers[q][i]) if i < len(answers[q]) else '(unknown)'}   "
+        f"({how[q]})"
+        for q in ranks
+    ]
     running = [q for q in ranks if how[q] != _NEW]
-    issued = (f"Rank(s) {running} already issued it (a graph checked earlier) and wait in it until a "
-              "checking rank exits (gloo) or the group is aborted (NCCL)." if running else "No rank issued it.")
-    return (f"rank guard: the ranks of process group {group.name!r} would issue different collectives. "
-            f"First difference at collective #{pos + i} on that group (counting those of guarded graphs):\n"
-            + "\n".join(lines) + f"\n{issued} Ranks that compiled different graphs (a branch on the rank "
-            "or on rank-local data, a shape that differs, a recompile on some ranks only) must not run them.")
+    issued = (
+        f"Rank(s) {running} already issued it (a graph checked earlier) and wait in it until a "
+        "checking rank exits (gloo) or the group is aborted (NCCL)."
+        if running
+        else "No rank issued it."
+    )
+    return (
+        f"rank guard: the ranks of process group {group.name!r} would issue different "
+        f"collectives. First difference at collective #{pos + i} on that group (counting those of "
+        "guarded graphs):\n"
+        + "\n".join(lines)
+        + f"\n{issued} Ranks that compiled different graphs (a branch on the rank "
+        "or on rank-local data, a shape that differs, a recompile on some ranks only) must not "
+        "run them."
+    )
 
 
 def _wait_for_acks(group: _Group) -> None:
     """Give every rank's watchdog a moment to read the verdict before this rank raises (and
     perhaps exits, taking the store with it if it hosts it)."""
     deadline = time.monotonic() + 10 * POLL_SECONDS + 2
-    while time.monotonic() < deadline and group.store.add(group.key("acks"), 0) < len(group.members):
+    while time.monotonic() < deadline and group.store.add(group.key("acks"), 0) < len(
+        group.members
+    ):
         time.sleep(POLL_SECONDS / 4)
 
 
@@ -280,7 +316,8 @@ def _watch() -> None:
         for group in groups:
             try:
                 _poll(group)
-            except Exception:  # noqa: BLE001 - the group or its store is gone: nothing left to watch
+            except Exception:
+                # the group or its store is gone: nothing left to watch
                 log.debug("rank guard: stops watching group %s", group.name, exc_info=True)
                 dead.add(group)
 
@@ -301,14 +338,21 @@ def _poll(group: _Group) -> None:
         return
     if store.check([group.key("open")]):
         group.open = {int(c) for c in store.get(group.key("open")).decode().split(",") if c}
-    issued, history = group.issued, list(group.history)  # read issued first: history is appended first
+    issued, history = (
+        group.issued,
+        list(group.history),
+    )  # read issued first: history is appended first
     for pos in sorted(group.open - group.answered):
         if pos >= issued:
-            continue  # not there yet: this rank will check there itself, or start a graph covering it
+            # not there yet: this rank will check there itself, or start a graph covering it
+            continue
         answer = {"entries": [], "how": f"passed collective #{pos} long ago"}
         for start, entries in history:
             if start <= pos < start + len(entries):
-                answer = {"entries": entries[pos - start:], "how": "running a graph checked earlier"}
+                answer = {
+                    "entries": entries[pos - start :],
+                    "how": "running a graph checked earlier",
+                }
         if not store.check([group.key(pos, group.me)]):
             store.set(group.key(pos, group.me), json.dumps(answer))
         group.answered.add(pos)

@@ -46,7 +46,9 @@ class DefaultState:
 
     def __init__(self, process_group: dist.ProcessGroup):
         if process_group is None:
-            raise ValueError(f"Expected to pass in an explicit ProcessGroup to {type(self).__name__}.")
+            raise ValueError(
+                f"Expected to pass in an explicit ProcessGroup to {type(self).__name__}."
+            )
         if process_group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError(
                 f"{type(self).__name__}: this rank is not a member of the given process group; "
@@ -54,8 +56,8 @@ class DefaultState:
             )
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
-                f"{type(self).__name__} expects a torch.distributed.ProcessGroup, "
-                f"got {type(process_group).__name__}."
+                f"{type(self).__name__} expects a torch.distributed.ProcessGroup, got "
+                f"{type(process_group).__name__}."
             )
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -79,11 +81,14 @@ class LowPrecisionState(DefaultState):
 
     __slots__ = ["parameter_type"]
 
-    def __init__(self, process_group: dist.ProcessGroup, parameter_type: torch.dtype = torch.float32):
+    def __init__(
+        self, process_group: dist.ProcessGroup, parameter_type: torch.dtype = torch.float32
+    ):
         super().__init__(process_group)
         if not isinstance(parameter_type, torch.dtype) or not parameter_type.is_floating_point:
             raise TypeError(
-                f"LowPrecisionState: parameter_type must be a floating torch.dtype, got {parameter_type!r}."
+                "LowPrecisionState: parameter_type must be a floating torch.dtype, got "
+                f"{parameter_type!r}."
             )
         self.parameter_type = parameter_type
 

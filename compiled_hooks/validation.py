@@ -18,7 +18,9 @@ def check_state(hook: str, state: object, low_precision: bool = False) -> None:
     if not isinstance(state, expected):
         raise TypeError(f"{hook}: state must be a {expected.__name__}, got {type(state).__name__}.")
     if state.process_group is None:
-        raise ValueError(f"{hook}: state.process_group is None; build the state with an explicit ProcessGroup.")
+        raise ValueError(
+            f"{hook}: state.process_group is None; build the state with an explicit ProcessGroup."
+        )
 
 
 def check_tensor(hook: str, name: str, t: object) -> None:
@@ -32,16 +34,16 @@ def check_tensor(hook: str, name: str, t: object) -> None:
         raise TypeError(f"{hook}: {name} must be a floating-point tensor, got dtype {t.dtype}.")
     if t.is_leaf and t.requires_grad and torch.is_grad_enabled():
         raise ValueError(
-            f"{hook}: {name} is a leaf that requires grad; the hook writes its result into it "
-            "in place. Pass the gradient (param.grad), not the parameter."
+            f"{hook}: {name} is a leaf that requires grad; the hook writes its result into it in "
+            "place. Pass the gradient (param.grad), not the parameter."
         )
 
 
 def check_dtype(hook: str, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
     if t.dtype != dtype:
         raise TypeError(
-            f"{hook}: {name} has dtype {t.dtype} but the result is {dtype}; "
-            f"pass a {dtype} tensor (the hook writes in place and never changes a tensor's dtype)."
+            f"{hook}: {name} has dtype {t.dtype} but the result is {dtype}; pass a {dtype} tensor "
+            "(the hook writes in place and never changes a tensor's dtype)."
         )
 
 
@@ -51,5 +53,6 @@ def check_shard(hook: str, grad: torch.Tensor, output: torch.Tensor, world_size:
     if grad.numel() != world_size * output.numel():
         raise ValueError(
             f"{hook}: reduce-scatter needs grad.numel() == world_size * output.numel(), got "
-            f"grad.numel()={grad.numel()}, world_size={world_size}, output.numel()={output.numel()}."
+            f"grad.numel()={grad.numel()}, world_size={world_size}, "
+            f"output.numel()={output.numel()}."
         )

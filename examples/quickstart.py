@@ -1,8 +1,9 @@
 """Quick start: compiled DDP with bf16 gradient compression and the graph passes.
 
-    python examples/quickstart.py                       # spawns 2 ranks
-    torchrun --nproc-per-node 2 examples/quickstart.py
+python examples/quickstart.py                       # spawns 2 ranks
+torchrun --nproc-per-node 2 examples/quickstart.py
 """
+
 from __future__ import annotations
 
 import os
@@ -19,11 +20,17 @@ import passes
 
 def train(rank: int, world_size: int, port: int | None = None) -> None:
     cuda = torch.cuda.device_count() >= world_size  # one GPU per rank, else CPU
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
-                            init_method=f"tcp://127.0.0.1:{port}" if port else None)  # None: torchrun's env://
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        rank=rank,
+        world_size=world_size,
+        init_method=f"tcp://127.0.0.1:{port}" if port else None,
+    )  # None: torchrun's env://
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     torch.manual_seed(0)  # the same initial weights on every rank
-    net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).to(device)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)
+    ).to(device)
 
     # DDP in python-reducer mode, the hook registered, the forward compiled
     ddp, model = ch.compile_ddp(net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
@@ -45,7 +52,9 @@ def train(rank: int, world_size: int, port: int | None = None) -> None:
             print(f"step {step + 1}: loss {losses[-1]:.4f}", flush=True)
     if rank == 0:
         ok = losses[-1] < losses[0] / 4
-        print(f"final loss: {losses[-1]:.4f} ({'OK' if ok else 'FAIL'}: under a quarter of the first)")
+        print(
+            f"final loss: {losses[-1]:.4f} ({'OK' if ok else 'FAIL'}: under a quarter of the first)"
+        )
     dist.destroy_process_group()
 
 

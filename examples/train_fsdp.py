@@ -29,12 +29,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import TinyTransformer, example_parser, launch  # noqa: E402
-from train_fsdp2 import train_side_by_side  # noqa: E402
+from train_ddp import TinyTransformer, example_parser, launch
+from train_fsdp2 import train_side_by_side
 
-import compiled_hooks as ch  # noqa: E402
-import passes  # noqa: E402
-from compiled_hooks.fsdp import data_parallel, register_comm_hook  # noqa: E402
+import compiled_hooks as ch
+import passes
+from compiled_hooks.fsdp import data_parallel, register_comm_hook
 
 
 def build_native(mesh, device: torch.device):
@@ -56,8 +56,10 @@ def build_fsdp2(mesh, device: torch.device):
 
 def run(rank: int, world_size: int, steps: int, tolerance: float, device: torch.device) -> bool:
     mesh = init_device_mesh(device.type, (world_size,))
-    models = {"data_parallel + bf16_compress_hook": build_native(mesh, device),
-              "FSDP2 reduce_dtype=bf16": build_fsdp2(mesh, device)}
+    models = {
+        "data_parallel + bf16_compress_hook": build_native(mesh, device),
+        "FSDP2 reduce_dtype=bf16": build_fsdp2(mesh, device),
+    }
     return train_side_by_side(rank, world_size, models, "data_parallel", steps, tolerance, device)
 
 

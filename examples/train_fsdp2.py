@@ -29,39 +29,70 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn, report_rank_guard, synchronize  # noqa: E402
+from train_ddp import (
+    TinyTransformer,
+    batch,
+    example_parser,
+    launch,
+    loss_fn,
+    report_rank_guard,
+    synchronize,
+)
 
-import compiled_hooks as ch  # noqa: E402
-import passes  # noqa: E402
-from compiled_hooks.fsdp import register_comm_hook  # noqa: E402
+import compiled_hooks as ch
+import passes
+from compiled_hooks.fsdp import register_comm_hook
 
 
 def build(mesh, with_hook: bool, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
     model = TinyTransformer(dim=64, layers=2).to(device)
-    mp_policy = MixedPrecisionPolicy() if with_hook else MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    mp_policy = (
+        MixedPrecisionPolicy() if with_hook else MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    )
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
         block.compile()
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if with_hook:
-        register_comm_hook(model, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook, compile=True)
+        register_comm_hook(
+            model, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook, compile=True
+        )
     return model
 
 
 def run(rank: int, world_size: int, steps: int, tolerance: float, device: torch.device) -> bool:
     mesh = init_device_mesh(device.type, (world_size,))
-    models = {"bf16_compress_hook": build(mesh, True, device), "FSDP2 reduce_dtype=bf16": build(mesh, False, device)}
-    return train_side_by_side(rank, world_size, {name: (m, m) for name, m in models.items()}, "hook",
-                              steps, tolerance, device)
+    models = {
+        "bf16_compress_hook": build(mesh, True, device),
+        "FSDP2 reduce_dtype=bf16": build(mesh, False, device),
+    }
+    return train_side_by_side(
+        rank,
+        world_size,
+        {name: (m, m) for name, m in models.items()},
+        "hook",
+        steps,
+        tolerance,
+        device,
+    )
 
 
-def train_side_by_side(rank: int, world_size: int, models: dict, ours: str, steps: int, tolerance: float,
-                       device: torch.device) -> bool:
+def train_side_by_side(
+    rank: int,
+    world_size: int,
+    models: dict,
+    ours: str,
+    steps: int,
+    tolerance: float,
+    device: torch.device,
+) -> bool:
     """Train ``models`` (name -> (module holding the parameters, module to call); ours first, then
     FSDP2 with mixed precision) on the same batches with AdamW; rank 0 prints both losses every
     step and the final relative difference. True when it is within ``tolerance``."""
-    opts = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, (model, _) in models.items()}
+    opts = {
+        name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, (model, _) in models.items()
+    }
     final = {}
     for step in range(steps):
         tokens, targets = batch(rank, step, device=device)
@@ -85,8 +116,12 @@ def train_side_by_side(rank: int, world_size: int, models: dict, ours: str, step
     rel = abs(value - ref) / abs(ref)
     ok = rel <= tolerance
     if rank == 0:
-        print(f"final loss: {ours} {value:.4f}  FSDP2 mixed precision {ref:.4f}  relative difference {rel:.2e} "
-              f"({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}, {world_size} ranks)", flush=True)
+        print(
+            f"final loss: {ours} {value:.4f}  FSDP2 mixed precision {ref:.4f}  relative "
+            f"difference {rel:.2e} ({'OK' if ok else 'FAIL'}: tolerance {tolerance:.0%}, "
+            f"{world_size} ranks)",
+            flush=True,
+        )
         report_rank_guard()
     return ok
 

@@ -4,12 +4,27 @@ can move into its members, and merging a bucket of collective chains into one co
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import cast
 
 from torch.fx import Graph, Node
 
-from ._graph import (ALL_REDUCE, REDUCE_SCATTER, VIEW_OPS, WAIT, Chain, aten, cast_dtype, chains, flat_value, is_op,
-                     new_node, record, scale_factor, split_values, val)
+from ._graph import (
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    VIEW_OPS,
+    WAIT,
+    Chain,
+    aten,
+    cast_dtype,
+    chains,
+    flat_value,
+    is_op,
+    new_node,
+    record,
+    scale_factor,
+    split_values,
+    val,
+)
 
 
 def is_compressed(chain: Chain) -> bool:
@@ -27,11 +42,12 @@ def compressed_collectives(graph: Graph, pass_name: str) -> set[Node]:
     return {chain.collective for chain in chains(graph, pass_name) if is_compressed(chain)}
 
 
-def cat_prologue_problem(cat: Node, pre: list[Node]) -> Optional[str]:
-    """Why the ops ``pre`` after a bucket's ``cat`` cannot move into its members (None: they can)."""
+def cat_prologue_problem(cat: Node, pre: list[Node]) -> str | None:
+    """Why the ops ``pre`` after a bucket's ``cat`` cannot move into its members (None: they
+    can)."""
     if len(cat.users) != 1:
         return "the cat has another user"
-    if any(not hasattr(val(m), "dim") or val(m).dim() != 1 for m in cat.args[0]):
+    if any(not hasattr(val(m), "dim") or val(m).dim() != 1 for m in cast(list, cat.args[0])):
         return "a member is not 1-D"  # so the cat is along dim 0 (or -1, the same)
     for n in pre:
         if not (scale_factor(n) is not None or cast_dtype(n) is not None or is_op(n, VIEW_OPS)):
@@ -41,8 +57,9 @@ def cat_prologue_problem(cat: Node, pre: list[Node]) -> Optional[str]:
     return None
 
 
-def merge_chains(pass_name: str, graph: Graph, bucket: list[Chain], order: dict[Node, int],
-                 moved: set[Node]) -> Optional[Node]:
+def merge_chains(
+    pass_name: str, graph: Graph, bucket: list[Chain], order: dict[Node, int], moved: set[Node]
+) -> Node | None:
     """Merge one bucket of all_reduce or reduce_scatter chains into one collective of a ``cat``:
     every member's pre-collective ops move next to the ``cat`` (one copy-in), and its
     post-collective ops read its piece of the result (one copy-out); a reduce_scatter bucket is
@@ -63,7 +80,11 @@ def merge_chains(pass_name: str, graph: Graph, bucket: list[Chain], order: dict[
     anchor = max((c.start for c in bucket), key=order.__getitem__)
     first_use = min(users, key=order.__getitem__)
     if order[first_use] <= order[anchor]:
-        record(pass_name, "skipped bucket: a member's result is used before its last input is ready", first_use)
+        record(
+            pass_name,
+            "skipped bucket: a member's result is used before its last input is ready",
+            first_use,
+        )
         return None
 
     insert_before = anchor.next
@@ -84,20 +105,29 @@ def merge_chains(pass_name: str, graph: Graph, bucket: list[Chain], order: dict[
         flats.append(inp)
     with graph.inserting_before(insert_before):
         flat_val = None if rs else flat_value(val(flats[0]), sum(val(f).numel() for f in flats))
-        flat = new_node(graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat", value=flat_val)
+        flat = new_node(
+            graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat", value=flat_val
+        )
         if rs:
             flat = new_node(graph, aten.reshape.default, (flat, [-1]))
         rest = bucket[0].collective.args[1:]
         target = REDUCE_SCATTER if rs else ALL_REDUCE
-        coll = new_node(graph, target, (flat, *rest), name="bucket_" + target._schema.name.split("::")[-1])
+        coll = new_node(
+            graph, target, (flat, *rest), name="bucket_" + target._schema.name.split("::")[-1]
+        )
         if "custom" in bucket[0].collective.meta:
             coll.meta["custom"] = dict(bucket[0].collective.meta["custom"])
 
     with graph.inserting_before(first_use):
         wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
         sizes = [val(c.collective).numel() for c in bucket]
-        pieces = new_node(graph, aten.split_with_sizes.default, (wait, sizes), name="bucket_pieces",
-                          value=split_values(val(wait), sizes))
+        pieces = new_node(
+            graph,
+            aten.split_with_sizes.default,
+            (wait, sizes),
+            name="bucket_pieces",
+            value=split_values(val(wait), sizes),
+        )
     for i, c in enumerate(bucket):
         out = val(c.collective)
         with graph.inserting_before(first_use):

@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, Callable, Optional
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx import Graph, Node
 
 from compiled_hooks import compat
@@ -59,12 +60,12 @@ SCALE_OPS = MUL_OPS + DIV_OPS
 AVG_BACKENDS = frozenset({"nccl", "fake"})
 # The most bytes per destination one all_to_all the gloo rewrites send (all_to_all_weight_update,
 # all_gather_as_all_to_all, reduce_scatter_as_all_to_all): on a bandwidth-bound link gloo moves
-# one all_to_all of 4-8 MB per destination at about twice its bytes' time, the same bytes in
-# pieces of this size, all in flight, at 1.1-1.2x (docs/benchmarks.md, "Collective costs on gloo").
+# one large all_to_all well below the link's rate, and the same bytes in pieces of this size, all
+# in flight, close to it (docs/benchmarks.md, "Collective costs on gloo").
 ALL_TO_ALL_CHUNK_BYTES = 512 << 10
 
 
-def record(pass_name: str, event: str, node: Optional[Node] = None) -> None:
+def record(pass_name: str, event: str, node: Node | None = None) -> None:
     """Count ``event`` in ``counters["passes"]`` and log it (logger ``passes``, DEBUG)."""
     counters["passes"][f"{pass_name}: {event}"] += 1
     log.debug("%s: %s%s", pass_name, event, f" at {node.name}" if node is not None else "")
@@ -76,21 +77,37 @@ def is_op(node: Any, ops: tuple) -> bool:
 
 def is_collective(node: Any) -> bool:
     """Any functional collective (not its wait)."""
-    return (isinstance(node, Node) and node.op == "call_function"
-            and getattr(node.target, "namespace", None) == "_c10d_functional" and node.target is not WAIT)
+    return (
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and getattr(node.target, "namespace", None) == "_c10d_functional"
+        and node.target is not WAIT
+    )
 
 
-def val(node: Node) -> Any:
-    return node.meta.get("val")
+def val(node: object) -> Any:
+    """The fake value of ``node``; None for a non-node argument."""
+    return node.meta.get("val") if isinstance(node, Node) else None
 
 
-def scale_factor(node: Node) -> Optional[Fraction]:
+def arg(node: Node, i: int = 0) -> Node:
+    """``node.args[i]``, where the op's schema makes it a tensor, hence a node."""
+    return cast(Node, node.args[i])
+
+
+def scale_factor(node: Node) -> Fraction | None:
     """The exact factor ``node`` multiplies its first argument by, or None if it is no
     constant scale (a tensor factor, a rounding mode, a non-finite or zero factor)."""
     if not is_op(node, SCALE_OPS) or node.kwargs or len(node.args) != 2:
         return None
     c = node.args[1]
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or c == 0 or c != c or abs(c) == float("inf"):
+    if (
+        isinstance(c, bool)
+        or not isinstance(c, (int, float))
+        or c == 0
+        or c != c
+        or abs(c) == float("inf")
+    ):
         return None
     return _factor(c, node.target in MUL_OPS)
 
@@ -105,7 +122,7 @@ def is_scale(node: Any) -> bool:
     return is_op(node, SCALE_OPS)
 
 
-def cast_dtype(node: Node) -> Optional[torch.dtype]:
+def cast_dtype(node: Node) -> torch.dtype | None:
     """Target dtype of a pure floating dtype conversion, else None."""
     if not is_op(node, CAST_OPS):
         return None
@@ -137,7 +154,7 @@ class Chain:
     pre: list[Node]  # start -> ... -> collective input, in data-flow order
     post: list[Node]  # wait -> ... -> end, in data-flow order (wait excluded)
     factors: tuple  # scale_factor() of each of scales(), in order (None for a non-constant one)
-    problem: Optional[str] = None  # why the chain must not be rewritten
+    problem: str | None = None  # why the chain must not be rewritten
 
     @property
     def end(self) -> Node:
@@ -145,7 +162,7 @@ class Chain:
 
     @property
     def reduce_op(self) -> str:
-        return self.collective.args[1]
+        return cast(str, self.collective.args[1])
 
     @property
     def group_name(self) -> Any:
@@ -159,7 +176,7 @@ class Chain:
         return [n for n in self.pre + self.post if is_scale(n)]
 
 
-def match_chain(collective: Node) -> Optional[Chain]:
+def match_chain(collective: Node) -> Chain | None:
     """The chain around ``collective``; None if it is not a single-wait functional collective."""
     if not is_op(collective, COLLECTIVES) or len(collective.users) != 1:
         return None
@@ -169,10 +186,10 @@ def match_chain(collective: Node) -> Optional[Chain]:
     problem = None
 
     pre: list[Node] = []
-    node = collective.args[0]
+    node = arg(collective)
     while is_chain_op(node) and len(node.users) == 1:
         pre.append(node)
-        node = node.args[0]
+        node = arg(node)
     if is_scale(node) or cast_dtype(node) is not None:
         problem = f"intermediate {node.name} has another user"
     pre.reverse()
@@ -198,7 +215,7 @@ def match_chain(collective: Node) -> Optional[Chain]:
     return Chain(collective, wait, start, pre, post, tuple(factors), problem)
 
 
-def block_of(node: Node) -> Optional[str]:
+def block_of(node: Node) -> str | None:
     """The ``data_parallel`` block a collective belongs to, if it is marked with one."""
     return node.meta.get("custom", {}).get(BLOCK)
 
@@ -235,7 +252,9 @@ def chains(graph: Graph, pass_name: str) -> list[Chain]:
         chain = match_chain(node)
         if chain is None:
             continue
-        if not all(isinstance(val(n), torch.Tensor) for n in (chain.collective, chain.collective.args[0])):
+        if not all(
+            isinstance(val(n), torch.Tensor) for n in (chain.collective, chain.collective.args[0])
+        ):
             record(pass_name, "skipped: no fake-tensor metadata (meta['val'])", node)
             continue
         out.append(chain)
@@ -248,7 +267,7 @@ class GroupInfo:
     backend: str
 
 
-def group_info(group_name: Any) -> Optional[GroupInfo]:
+def group_info(group_name: Any) -> GroupInfo | None:
     """Size and backend of the group a collective names; None if it cannot be resolved
     (a group passed as a graph input, or one this process does not know)."""
     if not isinstance(group_name, str):
@@ -260,8 +279,14 @@ def group_info(group_name: Any) -> Optional[GroupInfo]:
         return None
 
 
-def new_node(graph: Graph, target: Callable, args: tuple, kwargs: Optional[dict] = None, name: str = "",
-             value: Any = None) -> Node:
+def new_node(
+    graph: Graph,
+    target: Callable,
+    args: tuple,
+    kwargs: dict | None = None,
+    name: str = "",
+    value: Any = None,
+) -> Node:
     """Create ``target(*args, **kwargs)`` at the graph's insert point with a valid ``meta["val"]``:
     ``value`` when the caller computed it, else propagated through the inputs' fake mode."""
     node = graph.create_node("call_function", target, args, kwargs or {}, name=name or None)
@@ -269,8 +294,9 @@ def new_node(graph: Graph, target: Callable, args: tuple, kwargs: Optional[dict]
         node.meta["val"] = value
         return node
     fake_args = torch.fx.node.map_arg((args, kwargs or {}), val)
-    mode = torch._guards.detect_fake_mode([v for v in torch.utils._pytree.tree_leaves(fake_args)
-                                           if isinstance(v, torch.Tensor)])
+    mode = torch._guards.detect_fake_mode(
+        [v for v in torch.utils._pytree.tree_leaves(fake_args) if isinstance(v, torch.Tensor)]
+    )
     if mode is None:
         raise RuntimeError(f"{target}: inputs carry no fake tensor values (meta['val'])")
     # A pass's new nodes are one of a kind (a bucket's cat of K members, its split into K): the
@@ -287,13 +313,17 @@ def reapply(graph: Graph, value: Node, ops: list[Node]) -> Node:
     (the ops act elementwise). Returns the last new node (``value`` if none)."""
     for op in ops:
         if not is_op(op, VIEW_OPS):
-            value = new_node(graph, op.target, (value, *op.args[1:]), dict(op.kwargs))
+            value = new_node(
+                graph, cast(Callable, op.target), (value, *op.args[1:]), dict(op.kwargs)
+            )
     return value
 
 
 def check_chunk_bytes(pass_name: str, chunk_bytes: int) -> None:
     if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"{pass_name}: all_to_all_chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        raise ValueError(
+            f"{pass_name}: all_to_all_chunk_bytes must be a positive int, got {chunk_bytes!r}"
+        )
 
 
 def chunk_bounds(count: int, item_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -306,14 +336,14 @@ def chunk_bounds(count: int, item_bytes: int, chunk_bytes: int) -> list[tuple[in
     return [(lo, min(lo + size, count)) for lo in range(0, count, size)]
 
 
-def flat_value(like: torch.Tensor, numel: int) -> torch.Tensor:
+def flat_value(like: FakeTensor, numel: int) -> torch.Tensor:
     """The fake value of a new contiguous 1-D tensor of ``numel`` elements of ``like``'s dtype and
     device: what a ``cat`` of 1-D pieces gives, without the fake kernel walking every input."""
     with like.fake_mode:
         return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
-def split_values(flat: torch.Tensor, sizes: list[int]) -> Optional[list[torch.Tensor]]:
+def split_values(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | None:
     """The fake values of ``split_with_sizes(flat, sizes)`` for a contiguous 1-D fake ``flat``:
     views of its storage at the pieces' offsets, as the op gives (None for any other ``flat``:
     let the fake kernel do it). Computed on a plain meta tensor over the same storage and
@@ -324,5 +354,7 @@ def split_values(flat: torch.Tensor, sizes: list[int]) -> Optional[list[torch.Te
         return None
     base = torch.empty((0,), dtype=flat.dtype, device="meta")
     base.set_(flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
-    return [mode.fake_tensor_converter.from_meta_and_device(mode, piece, flat.device)
-            for piece in torch.split_with_sizes(base, sizes)]
+    return [
+        mode.fake_tensor_converter.from_meta_and_device(mode, piece, flat.device)
+        for piece in torch.split_with_sizes(base, sizes)
+    ]

@@ -9,12 +9,27 @@
 
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
+from typing import cast
 
 from torch.fx import Graph, Node
 
-from ._graph import (ALL_REDUCE, BROADCAST, CAST_OPS, GROUP_RANK, VIEW_OPS, WAIT, aten, group_info, is_op, is_scale,
-                     match_chain, record, val)
+from ._graph import (
+    ALL_REDUCE,
+    BROADCAST,
+    CAST_OPS,
+    GROUP_RANK,
+    VIEW_OPS,
+    WAIT,
+    arg,
+    aten,
+    group_info,
+    is_op,
+    is_scale,
+    match_chain,
+    record,
+    val,
+)
 
 __all__ = ["own_slice", "owner_broadcasts", "weight_update_matches"]
 
@@ -23,25 +38,41 @@ def own_slice(index: Node):
     """(chain, N) when ``index`` reads this rank's slice of an all_reduce (rewrite 1)."""
     if not is_op(index, (aten.index.Tensor,)) or len(index.args) != 2:
         return None
-    view, indices = index.args
-    if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and is_op(indices[0], (GROUP_RANK,))):
+    view, indices = cast(Node, index.args[0]), index.args[1]
+    if not (
+        isinstance(indices, (list, tuple))
+        and len(indices) == 1
+        and is_op(indices[0], (GROUP_RANK,))
+    ):
         return None
     if not is_op(view, VIEW_OPS) or len(view.users) != 1:
         return None
-    node = view.args[0]
+    node = arg(view)
     while not is_op(node, (WAIT,)):  # walk back over the hook's elementwise ops and reshapes
         if not (is_scale(node) or is_op(node, CAST_OPS + VIEW_OPS)) or len(node.users) != 1:
             return None
-        node = node.args[0]
-    chain = match_chain(node.args[0])
+        node = arg(node)
+    chain = match_chain(arg(node))
     # the chain runs wait -> scales/casts/reshapes -> this view; nothing else reads the all_reduce
-    if chain is None or chain.problem or not is_op(chain.collective, (ALL_REDUCE,)) or chain.end is not view:
+    if (
+        chain is None
+        or chain.problem
+        or not is_op(chain.collective, (ALL_REDUCE,))
+        or chain.end is not view
+    ):
         return None
     info = group_info(chain.group_name)
     shape = list(val(view).shape)
     flat = val(chain.collective.args[0])
-    if (info is None or indices[0].args[0] != chain.group_name or chain.reduce_op not in ("sum", "avg")
-            or len(shape) != 2 or shape[0] != info.size or flat.dim() != 1 or flat.numel() != shape[0] * shape[1]):
+    if (
+        info is None
+        or cast(Node, indices[0]).args[0] != chain.group_name
+        or chain.reduce_op not in ("sum", "avg")
+        or len(shape) != 2
+        or shape[0] != info.size
+        or flat.dim() != 1
+        or flat.numel() != shape[0] * shape[1]
+    ):
         return None
     return chain, info
 
@@ -64,12 +95,18 @@ def owner_broadcasts(cat: Node):
         broadcasts.append(b)
     y, group = broadcasts[0].args[0], broadcasts[0].args[2]
     info = group_info(group)
-    if info is None or info.size != len(waits) or any(b.args[0] is not y or b.args[2] != group for b in broadcasts):
+    if (
+        info is None
+        or info.size != len(waits)
+        or any(b.args[0] is not y or b.args[2] != group for b in broadcasts)
+    ):
         return None
     return broadcasts, info
 
 
-def weight_update_matches(graph: Graph, pass_name: str, backends: Collection[str], why_not: dict[str, str]):
+def weight_update_matches(
+    graph: Graph, pass_name: str, backends: Collection[str], why_not: dict[str, str]
+):
     """The two patterns above in ``graph``, on groups whose backend is in ``backends``:
     ``(node, own-slice chain or None, owner broadcasts or None, group size)`` per match, in
     graph order; a match on another backend is counted with ``why_not``'s reason. A rewrite

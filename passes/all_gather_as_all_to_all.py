@@ -16,19 +16,23 @@ all_gathers of ``all_to_all_weight_update``, and ``shard_weight_update``'s when 
 gloo, are several in flight by design; so this pass runs last (after the scheduling passes,
 which treat all_to_all as a gradient collective) and rewrites each::
 
-    ag = all_gather_into_tensor(x, N, G)     ->    ag = all_to_all_single(cat([x] * N), [d] * N, [d] * N, G)
-    w = wait_tensor(ag)                            w = wait_tensor(ag)          # d = x.size(0)
+    ag = all_gather_into_tensor(x, N, G)     ->    ag = all_to_all_single(cat([x] * N), [d] * N,
+    w = wait_tensor(ag)                                                   [d] * N, G)
+                                                   w = wait_tensor(ag)    # d = x.size(0)
 
 Row block j of the input goes to rank j and block j of the output comes from rank j, so the
 output is the all_gather's, bit for bit, with the same bytes on the wire; the cost is one local
 copy of ``N * x`` per collective. An input of more than ``all_to_all_chunk_bytes`` goes out in
 several all_to_alls of at most that many bytes per destination, all issued where the all_gather
-was and all waited for where its wait was (gloo moves one large all_to_all at up to twice its
-bytes' time on a bandwidth-bound link, pieces at the link's rate: ``ALL_TO_ALL_CHUNK_BYTES``);
+was and all waited for where its wait was (gloo moves one large all_to_all well below a
+bandwidth-bound link's rate, pieces close to it: ``ALL_TO_ALL_CHUNK_BYTES``);
 the pieces' rank-major outputs are joined back into the all_gather's::
 
-    ag = all_gather_into_tensor(x, N, G)     ->    a_k = all_to_all_single(cat([x[lo_k:hi_k]] * N), [c_k] * N, [c_k] * N, G)
-    w = wait_tensor(ag)                            w = view(cat([view(wait_tensor(a_k), [N, c_k, ...]) for each k], 1), [N * d, ...])
+    ag = all_gather_into_tensor(x, N, G)
+    w = wait_tensor(ag)
+        ->
+    a_k = all_to_all_single(cat([x[lo_k:hi_k]] * N), [c_k] * N, [c_k] * N, G)   # each piece k
+    w = view(cat([view(wait_tensor(a_k), [N, c_k, ...]) for each k], 1), [N * d, ...])
 
 Groups whose backend is not in ``all_gather_backends`` (default gloo only: NCCL's all_gather is
 its own implementation) are left alone and counted.
@@ -38,12 +42,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Collection
+from collections.abc import Collection
+from typing import cast
 
 from torch.fx import Graph, Node
 
-from ._graph import (ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, WAIT, aten, check_chunk_bytes, check_graph,
-                     chunk_bounds, group_info, is_op, new_node, record, val)
+from ._graph import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    ALL_TO_ALL_CHUNK_BYTES,
+    WAIT,
+    aten,
+    check_chunk_bytes,
+    check_graph,
+    chunk_bounds,
+    group_info,
+    is_op,
+    new_node,
+    record,
+    val,
+)
 from .interface import graph_pass
 
 __all__ = ["all_gather_as_all_to_all", "Options"]
@@ -54,7 +72,7 @@ BACKENDS = frozenset({"gloo"})
 
 def _in_pieces(graph: Graph, ag: Node, pieces: list[tuple[int, int]]) -> Node:
     """The chunked rewrite of ``ag`` (whose only user is its wait); returns the joined value."""
-    x, size, group = ag.args
+    x, size, group = ag.args[0], cast(int, ag.args[1]), ag.args[2]
     (wait,) = ag.users
     rest = list(val(x).shape[1:])
     with graph.inserting_before(ag):
@@ -62,10 +80,16 @@ def _in_pieces(graph: Graph, ag: Node, pieces: list[tuple[int, int]]) -> Node:
         for lo, hi in pieces:
             piece = new_node(graph, aten.slice.Tensor, (x, 0, lo, hi))
             copies = new_node(graph, aten.cat.default, ([piece] * size,))
-            sent.append(new_node(graph, ALL_TO_ALL, (copies, [hi - lo] * size, [hi - lo] * size, group)))
+            sent.append(
+                new_node(graph, ALL_TO_ALL, (copies, [hi - lo] * size, [hi - lo] * size, group))
+            )
     with graph.inserting_before(wait):
-        parts = [new_node(graph, aten.view.default, (new_node(graph, WAIT, (a,)), [size, hi - lo, *rest]))
-                 for a, (lo, hi) in zip(sent, pieces)]
+        parts = [
+            new_node(
+                graph, aten.view.default, (new_node(graph, WAIT, (a,)), [size, hi - lo, *rest])
+            )
+            for a, (lo, hi) in zip(sent, pieces)
+        ]
         joined = new_node(graph, aten.cat.default, (parts, 1))
         out = new_node(graph, aten.view.default, (joined, list(val(wait).shape)))
     wait.replace_all_uses_with(out)
@@ -84,12 +108,21 @@ class Options:
     pieces of at most this, all in flight."""
 
 
-@graph_pass(options=Options, after=(
-    "schedule_collectives", "prefetch_block_all_gathers", "bucket_block_all_gathers",
-    "shard_weight_update", "all_to_all_weight_update",
-))
-def all_gather_as_all_to_all(graph: Graph, all_gather_backends: Collection[str] = BACKENDS,
-                             all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
+@graph_pass(
+    options=Options,
+    after=(
+        "schedule_collectives",
+        "prefetch_block_all_gathers",
+        "bucket_block_all_gathers",
+        "shard_weight_update",
+        "all_to_all_weight_update",
+    ),
+)
+def all_gather_as_all_to_all(
+    graph: Graph,
+    all_gather_backends: Collection[str] = BACKENDS,
+    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES,
+) -> bool:
     """Rewrite all_gathers on groups whose backend is in ``all_gather_backends`` to all_to_alls
     of ``N`` copies of the input, in pieces of at most ``all_to_all_chunk_bytes`` per
     destination (see the module docstring); True if anything changed."""
@@ -103,7 +136,11 @@ def all_gather_as_all_to_all(graph: Graph, all_gather_backends: Collection[str] 
             record(PASS, f"skipped: backend {info.backend if info else 'unknown'}", ag)
             continue
         value = val(x)
-        pieces = chunk_bounds(value.shape[0], math.prod(value.shape[1:]) * value.element_size(), all_to_all_chunk_bytes)
+        pieces = chunk_bounds(
+            value.shape[0],
+            math.prod(value.shape[1:]) * value.element_size(),
+            all_to_all_chunk_bytes,
+        )
         single_wait = len(ag.users) == 1 and is_op(next(iter(ag.users)), (WAIT,))
         if len(pieces) > 1 and single_wait:
             a2a = _in_pieces(graph, ag, pieces)

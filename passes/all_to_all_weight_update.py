@@ -15,10 +15,15 @@ independent rewrites, each exact on its own:
 
 1. *own row of an all_reduce* (sum or avg; matched as ``shard_weight_update`` matches it)::
 
-       ar = all_reduce(x, 'sum', G)                x2 = view(x, [N, c])
-       w = wait(ar); d = div(w, 2)                 a_k = all_to_all_single(clone(x2[:, k-th chunk]), [1]*N, [1]*N, G)
-       v = view(d, [N, c])                   ->    s_k = sum(wait(a_k), [0])           # for each chunk k
-       mine = index(v, [group_rank(G)])            mine = view(div(cat([s_0, s_1, ...]), 2), [1, c])
+       ar = all_reduce(x, 'sum', G)
+       w = wait(ar); d = div(w, 2)
+       v = view(d, [N, c])
+       mine = index(v, [group_rank(G)])
+           ->
+       x2 = view(x, [N, c])
+       a_k = all_to_all_single(clone(x2[:, k-th chunk]), [1]*N, [1]*N, G)   # each chunk k
+       s_k = sum(wait(a_k), [0])
+       mine = view(div(cat([s_0, s_1, ...]), 2), [1, c])
 
    Row j of the all_to_all's output is rank j's gradient for this rank's row; their sum is
    what the all_reduce gave this row (bit for bit on 2 ranks, where each element is one
@@ -41,8 +46,8 @@ independent rewrites, each exact on its own:
 On gloo, ``all_gather_as_all_to_all`` (last in ``default_pipeline``) then turns each all_gather
 into an all_to_all of the same bytes: gloo's all_gather is not safe with several in flight.
 
-Where the backend is in ``all_to_all_backends`` (default gloo only: NCCL and the fake test backend get
-``shard_weight_update``'s reduce_scatter, which needs no local sum); another backend is left
+Where the backend is in ``all_to_all_backends`` (default gloo only: NCCL and the fake test backend
+get ``shard_weight_update``'s reduce_scatter, which needs no local sum); another backend is left
 alone and counted. Runs before anything that buckets all_reduces (``default_pipeline`` puts it
 first, after ``shard_weight_update`` when that is asked for, which leaves gloo graphs alone).
 """
@@ -50,14 +55,31 @@ first, after ``shard_weight_update`` when that is asked for, which leaves gloo g
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection
+from collections.abc import Collection
+from typing import cast
 
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import (ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, VIEW_OPS, WAIT, aten, check_chunk_bytes,
-                     check_graph, chunk_bounds, flat_value, is_op, new_node, reapply, record, val)
 from ._bucket import cat_prologue_problem
+from ._graph import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    ALL_TO_ALL_CHUNK_BYTES,
+    VIEW_OPS,
+    WAIT,
+    arg,
+    aten,
+    check_chunk_bytes,
+    check_graph,
+    chunk_bounds,
+    flat_value,
+    is_op,
+    new_node,
+    reapply,
+    record,
+    val,
+)
 from ._weight_update import weight_update_matches
 from .interface import graph_pass
 
@@ -82,9 +104,13 @@ def _packed_rows(graph: Graph, chain, n: int, c: int, lo: int, hi: int) -> Node:
                 continue
             part = m
             if start < a or end > b:
-                part = new_node(graph, aten.slice.Tensor, (m, 0, max(a, start) - start, min(b, end) - start))
+                part = new_node(
+                    graph, aten.slice.Tensor, (m, 0, max(a, start) - start, min(b, end) - start)
+                )
             parts.append(reapply(graph, part, chain.pre))
-    flat = new_node(graph, aten.cat.default, (parts,), value=flat_value(val(parts[0]), n * (hi - lo)))
+    flat = new_node(
+        graph, aten.cat.default, (parts,), value=flat_value(val(parts[0]), n * (hi - lo))
+    )
     return new_node(graph, aten.view.default, (flat, [n, hi - lo]))
 
 
@@ -92,7 +118,10 @@ def _rewrite_own_row(graph: Graph, index: Node, chain, n: int, chunk_bytes: int)
     x = chain.collective.args[0]
     c = val(x).numel() // n
     pieces = chunk_bounds(c, val(x).element_size(), chunk_bytes)
-    packed = is_op(chain.start, (aten.cat.default,)) and cat_prologue_problem(chain.start, chain.pre) is None
+    packed = (
+        is_op(chain.start, (aten.cat.default,))
+        and cat_prologue_problem(chain.start, chain.pre) is None
+    )
     with graph.inserting_before(chain.collective):
         rows = None if packed else new_node(graph, aten.view.default, (x, [n, c]))
         sent = []
@@ -101,17 +130,23 @@ def _rewrite_own_row(graph: Graph, index: Node, chain, n: int, chunk_bytes: int)
                 piece = _packed_rows(graph, chain, n, c, lo, hi)
             elif len(pieces) > 1:
                 piece = new_node(graph, aten.slice.Tensor, (rows, 1, lo, hi))
-                piece = new_node(graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+                piece = new_node(
+                    graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
+                )
             else:
-                piece = rows
+                piece = cast(Node, rows)  # not packed
             sent.append(new_node(graph, ALL_TO_ALL, (piece, [1] * n, [1] * n, chain.group_name)))
     with graph.inserting_before(chain.wait):
-        sums = [new_node(graph, aten.sum.dim_IntList, (new_node(graph, WAIT, (a,)), [0])) for a in sent]
+        sums = [
+            new_node(graph, aten.sum.dim_IntList, (new_node(graph, WAIT, (a,)), [0])) for a in sent
+        ]
         value = sums[0] if len(sums) == 1 else new_node(graph, aten.cat.default, (sums,))
         if chain.reduce_op == "avg":
             value = new_node(graph, aten.div.Tensor, (value, n))
     with graph.inserting_before(index):
-        value = reapply(graph, value, chain.post)  # the hook's scales and casts, on the row (elementwise)
+        value = reapply(
+            graph, value, chain.post
+        )  # the hook's scales and casts, on the row (elementwise)
         mine = new_node(graph, aten.view.default, (value, list(val(index).shape)))
     index.replace_all_uses_with(mine)
     dead = [index, *reversed(chain.post), chain.wait, chain.collective]
@@ -138,16 +173,23 @@ def _row_reads(full: Node, n: int) -> list[tuple[Node, int, int, int]]:
                 continue
             r = sel.args[2] % n
             for piece in sel.users:
-                if (is_op(piece, SLICE_OPS) and len(piece.args) == 4 and piece.args[1] == 0
-                        and isinstance(piece.args[2], int) and isinstance(piece.args[3], int)
-                        and 0 <= piece.args[2] < min(piece.args[3], c)):
+                if (
+                    is_op(piece, SLICE_OPS)
+                    and len(piece.args) == 4
+                    and piece.args[1] == 0
+                    and isinstance(piece.args[2], int)
+                    and isinstance(piece.args[3], int)
+                    and 0 <= piece.args[2] < min(piece.args[3], c)
+                ):
                     reads.append((piece, r, piece.args[2], min(piece.args[3], c)))
             if not any(is_op(u, SLICE_OPS) for u in sel.users):
                 reads.append((sel, r, 0, c))
     return reads
 
 
-def _read_chunks(graph: Graph, full: Node, parts: list[Node], pieces: list[tuple[int, int]], n: int) -> None:
+def _read_chunks(
+    graph: Graph, full: Node, parts: list[Node], pieces: list[tuple[int, int]], n: int
+) -> None:
     """Point each read of a member's columns ``a:b`` in row ``r`` of the joined rows ``full``
     at the gathered chunk(s) holding them, so the join (on CPU a copy of every row: Inductor
     makes every ``cat`` a kernel of its own there) is not made where nothing else reads it: a
@@ -158,34 +200,63 @@ def _read_chunks(graph: Graph, full: Node, parts: list[Node], pieces: list[tuple
             for part, (lo, hi) in zip(parts, pieces):
                 if lo < b and a < hi:
                     row = new_node(graph, aten.select.int, (part, 0, r))
-                    spans.append(new_node(graph, aten.slice.Tensor, (row, 0, max(a, lo) - lo, min(b, hi) - lo)))
+                    spans.append(
+                        new_node(
+                            graph, aten.slice.Tensor, (row, 0, max(a, lo) - lo, min(b, hi) - lo)
+                        )
+                    )
             value = spans[0] if len(spans) == 1 else new_node(graph, aten.cat.default, (spans,))
         piece.replace_all_uses_with(value)
         graph.erase_node(piece)
         record(PASS, "row read from the gathered chunks", value)
     # the selections, the rows' view and the join, where nothing reads them any more
-    join = full.args[0]
-    for node in [sel for rows in list(full.users) for sel in list(rows.users)] + list(full.users) + [full, join]:
+    join = arg(full)
+    for node in (
+        [sel for rows in list(full.users) for sel in list(rows.users)]
+        + list(full.users)
+        + [full, join]
+    ):
         if not node.users and is_op(node, SELECT_OPS + VIEW_OPS + (aten.cat.default,)):
             graph.erase_node(node)
 
 
-def _rewrite_owner_broadcasts(graph: Graph, cat: Node, broadcasts: list[Node], chunk_bytes: int) -> int:
+def _rewrite_owner_broadcasts(
+    graph: Graph, cat: Node, broadcasts: list[Node], chunk_bytes: int
+) -> int:
     y, _, group = broadcasts[0].args
     n, value = len(broadcasts), val(y)
-    pieces = chunk_bounds(value.numel(), value.element_size(), chunk_bytes) if value.dim() == 1 else [(0, 0)]
+    pieces = (
+        chunk_bounds(value.numel(), value.element_size(), chunk_bytes)
+        if value.dim() == 1
+        else [(0, 0)]
+    )
     with graph.inserting_before(broadcasts[0]):
-        gathers = [new_node(graph, ALL_GATHER, (y if len(pieces) == 1 else
-                                                new_node(graph, aten.slice.Tensor, (y, 0, lo, hi)), n, group))
-                   for lo, hi in pieces]
+        gathers = [
+            new_node(
+                graph,
+                ALL_GATHER,
+                (
+                    y if len(pieces) == 1 else new_node(graph, aten.slice.Tensor, (y, 0, lo, hi)),
+                    n,
+                    group,
+                ),
+            )
+            for lo, hi in pieces
+        ]
     with graph.inserting_before(cat):
         parts = [new_node(graph, WAIT, (g,)) for g in gathers]
         if len(parts) == 1:
             full = parts[0]
         else:
-            parts = [new_node(graph, aten.view.default, (p, [n, hi - lo])) for p, (lo, hi) in zip(parts, pieces)]
-            full = new_node(graph, aten.view.default,
-                            (new_node(graph, aten.cat.default, (parts, 1)), [n * value.numel()]))
+            parts = [
+                new_node(graph, aten.view.default, (p, [n, hi - lo]))
+                for p, (lo, hi) in zip(parts, pieces)
+            ]
+            full = new_node(
+                graph,
+                aten.view.default,
+                (new_node(graph, aten.cat.default, (parts, 1)), [n * value.numel()]),
+            )
     cat.replace_all_uses_with(full)
     graph.erase_node(cat)
     for b in broadcasts:
@@ -208,8 +279,11 @@ class Options:
 
 
 @graph_pass(options=Options, after=("shard_weight_update",))
-def all_to_all_weight_update(graph: Graph, all_to_all_backends: Collection[str] = BACKENDS,
-                             all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
+def all_to_all_weight_update(
+    graph: Graph,
+    all_to_all_backends: Collection[str] = BACKENDS,
+    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES,
+) -> bool:
     """Rewrite own-row all_reduces to chunked all_to_all + sum and owner broadcasts to chunked
     all_gathers (see the module docstring) on groups whose backend is in
     ``all_to_all_backends``; True if anything changed."""

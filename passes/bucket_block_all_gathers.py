@@ -15,7 +15,8 @@ rank-major piece of the bucket's output::
     w1 = wait_tensor(a1)                        flat = cat([reshape(c1, [-1]), c2])
     s1 = slice(w1, 0, 0, R1)                    a = all_gather_into_tensor(flat, N, g)
     ... block compute using s1 ...              w = wait_tensor(a)
-    c2 = convert_element_type(p2, bf16)         pieces = split_with_sizes(view(w, [N, n1 + n2]), [n1, n2], 1)
+    c2 = convert_element_type(p2, bf16)         v = view(w, [N, n1 + n2])
+                                                pieces = split_with_sizes(v, [n1, n2], 1)
     a2 = all_gather_into_tensor(c2, N, g)       w1 = reshape(pieces[0], [N * r1, d1])
     w2 = wait_tensor(a2)                        w2 = reshape(pieces[1], [N * r2])
     s2 = slice(w2, 0, 0, R2)                    s1 = slice(w1, 0, 0, R1)
@@ -35,7 +36,18 @@ from typing import Any
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, WAIT, aten, block_of, check_graph, input_cone, is_op, new_node, record, val
+from ._graph import (
+    ALL_GATHER,
+    WAIT,
+    aten,
+    block_of,
+    check_graph,
+    input_cone,
+    is_op,
+    new_node,
+    record,
+    val,
+)
 from .interface import graph_pass
 
 __all__ = ["bucket_block_all_gathers"]
@@ -66,20 +78,30 @@ def _candidates(graph: Graph) -> dict[tuple, list[Node]]:
 def _merge(graph: Graph, members: list[Node], order: dict[Node, int]) -> bool:
     cones = {ag: input_cone(ag) for ag in members}
     inside = {n for cone in cones.values() for n in cone}
-    external = [i for ag in members for n in cones[ag] + [ag] for i in n.all_input_nodes if i not in inside]
+    external = [
+        i for ag in members for n in cones[ag] + [ag] for i in n.all_input_nodes if i not in inside
+    ]
     waits = [next(iter(ag.users)) for ag in members]
     users = [u for w in waits for u in w.users]
     first_use = min(users, key=order.__getitem__)
     at = members[0]
     if any(order[i] >= order[at] for i in external):
-        record(PASS, "skipped bucket: a member's input is not ready where the first member goes out", at)
+        record(
+            PASS,
+            "skipped bucket: a member's input is not ready where the first member goes out",
+            at,
+        )
         return False
     for n in sorted(inside, key=order.__getitem__):
         at.prepend(n)
     size, group = at.args[1], at.args[2]
     with graph.inserting_before(at):
-        flats = [ag.args[0] if val(ag.args[0]).dim() == 1 else new_node(graph, aten.reshape.default, (ag.args[0], [-1]))
-                 for ag in members]
+        flats = [
+            ag.args[0]
+            if val(ag.args[0]).dim() == 1
+            else new_node(graph, aten.reshape.default, (ag.args[0], [-1]))
+            for ag in members
+        ]
         flat = new_node(graph, aten.cat.default, (flats,), name="bucket_cat")
         coll = new_node(graph, ALL_GATHER, (flat, size, group), name="bucket_all_gather")
         coll.meta["custom"] = dict(at.meta.get("custom", {}))
@@ -87,7 +109,9 @@ def _merge(graph: Graph, members: list[Node], order: dict[Node, int]) -> bool:
     with graph.inserting_before(first_use):
         wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
         rows = new_node(graph, aten.view.default, (wait, [size, sum(sizes)]))
-        pieces = new_node(graph, aten.split_with_sizes.default, (rows, sizes, 1), name="bucket_pieces")
+        pieces = new_node(
+            graph, aten.split_with_sizes.default, (rows, sizes, 1), name="bucket_pieces"
+        )
         for i, (ag, old_wait) in enumerate(zip(members, waits)):
             piece = graph.call_function(operator.getitem, (pieces, i))
             piece.meta["val"] = val(pieces)[i]

@@ -10,13 +10,15 @@ one block (same group, reduce op, wire dtype and device), compressed or not, the
     before                                        after
     d1 = div(g1, 2); c1 = convert(d1, bf16)        d1 = div(g1, 2); c1 = convert(d1, bf16)
     r1 = reduce_scatter_tensor(c1, "sum", N, g)    d2 = div(g2, 2); c2 = convert(d2, bf16)
-    w1 = wait_tensor(r1)                           flat = reshape(cat([reshape(c1, [N, -1]),
-    o1 = convert(w1, f32)                                              reshape(c2, [N, -1])], 1), [-1])
+    w1 = wait_tensor(r1)                           rows = cat([reshape(c1, [N, -1]),
+    o1 = convert(w1, f32)                                      reshape(c2, [N, -1])], 1)
+                                                   flat = reshape(rows, [-1])
     d2 = div(g2, 2); c2 = convert(d2, bf16)        r = reduce_scatter_tensor(flat, "sum", N, g)
     r2 = reduce_scatter_tensor(c2, "sum", N, g)    ... rest of backward overlaps ...
     w2 = wait_tensor(r2)                           w = wait_tensor(r)
     o2 = convert(w2, f32)                          pieces = split_with_sizes(w, [n1, n2])
-                                                   o1 = convert(pieces[0], f32); o2 = convert(pieces[1], f32)
+                                                   o1 = convert(pieces[0], f32); o2 =
+                                                   convert(pieces[1], f32)
 
 Rank ``r`` receives its shard of every member. What only carries a member's result to
 the graph's outputs (the copy into the gradient, the cast back, the slice to the local rows) moves
@@ -30,12 +32,23 @@ last input is ready; all counted. Idempotent: a block holds one reduce-scatter a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from torch.fx import Graph, Node
 
 from ._bucket import merge_chains
-from ._graph import REDUCE_SCATTER, WAIT, Chain, block_of, chains, check_graph, is_chain_op, is_op, record, val
+from ._graph import (
+    REDUCE_SCATTER,
+    WAIT,
+    Chain,
+    block_of,
+    chains,
+    check_graph,
+    is_chain_op,
+    is_op,
+    record,
+    val,
+)
 from .interface import graph_pass
 
 __all__ = ["bucket_block_reduce_scatters"]
@@ -48,7 +61,7 @@ def _key(chain: Chain) -> tuple[Any, ...]:
     return (block_of(c), c.args[1:], chain.wire_dtype, val(c).device)
 
 
-def _downstream(bucket: list[Chain]) -> Optional[set[Node]]:
+def _downstream(bucket: list[Chain]) -> set[Node] | None:
     """Everything downstream of the ``bucket``'s results short of the graph's output (the copy
     into the gradient's buffer, the cast back, the slice to the local rows); None if a node there
     has side effects."""
@@ -71,8 +84,11 @@ def _sink_to_outputs(graph: Graph, downstream: set[Node]) -> bool:
     right before their first use, stands among them at the end of the graph)."""
     nodes = list(graph.nodes)
     moving = [n for n in nodes if n in downstream]
-    if not moving or all(n in downstream or is_op(n, (WAIT,)) or is_chain_op(n)
-                         for n in nodes[nodes.index(moving[0]):] if n.op != "output"):
+    if not moving or all(
+        n in downstream or is_op(n, (WAIT,)) or is_chain_op(n)
+        for n in nodes[nodes.index(moving[0]) :]
+        if n.op != "output"
+    ):
         return False
     output = graph.output_node()
     for node in moving:
@@ -90,7 +106,11 @@ def bucket_block_reduce_scatters(graph: Graph) -> bool:
         if chain.collective.target is not REDUCE_SCATTER or block_of(chain.collective) is None:
             continue
         if chain.problem or not isinstance(chain.group_name, str):
-            record(PASS, f"skipped: {chain.problem or 'group passed as a graph input'}", chain.collective)
+            record(
+                PASS,
+                f"skipped: {chain.problem or 'group passed as a graph input'}",
+                chain.collective,
+            )
             continue
         groups.setdefault(_key(chain), []).append(chain)
     sinking: set[Node] = set()  # every block's, a block of one member's too, moved together

@@ -19,7 +19,7 @@ on each other. For two parameters::
     ... orthogonalize(w1) -> Q1 ...            flat = cat([reshape(p1, [-1]), reshape(p2, [-1])])
     p2 = mm(m2, q2)                            w = wait(all_reduce(flat, sum))
     w2 = wait(all_reduce(p2, sum))             w1, w2 = views of split_with_sizes(w, [n1, n2])
-    ... orthogonalize(w2) -> Q2 ...            ... orthogonalize(w1), orthogonalize(w2) -> Q1, Q2 ...
+    ... orthogonalize(w2) -> Q2 ...            ... orthogonalize(w1), orthogonalize(w2) ...
 
 Each bucket is issued right after its last member's input; whatever used a member's result
 moves after the bucket's wait (a stable topological sort, which keeps every other node's
@@ -35,13 +35,26 @@ import dataclasses
 import operator
 from typing import Any
 
+import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
-import torch
-
-from ._graph import (ALL_REDUCE, POWERSGD_COUNT, WAIT, Chain, aten, check_graph, flat_value, is_op, match_chain, new_node,
-                     record, split_values, val)
+from ._graph import (
+    ALL_REDUCE,
+    POWERSGD_COUNT,
+    WAIT,
+    Chain,
+    arg,
+    aten,
+    check_graph,
+    flat_value,
+    is_op,
+    match_chain,
+    new_node,
+    record,
+    split_values,
+    val,
+)
 from .interface import graph_pass
 
 __all__ = ["bucket_low_rank_factors", "Options"]
@@ -57,7 +70,7 @@ def _factor(node: Node) -> bool:
 
 def _counted(node: Node) -> bool:
     """An all_reduce of a gradient that PowerSGD counted (one it averages uncompressed)."""
-    return node.target is ALL_REDUCE and any(is_op(u, (POWERSGD_COUNT,)) for u in node.args[0].users)
+    return node.target is ALL_REDUCE and any(is_op(u, (POWERSGD_COUNT,)) for u in arg(node).users)
 
 
 def _candidates(graph: Graph) -> dict[Node, Chain]:
@@ -65,14 +78,23 @@ def _candidates(graph: Graph) -> dict[Node, Chain]:
     without factors (PowerSGD before ``start_powerSGD_iter``: its full gradients keep their
     own collectives, issued as each gradient is ready). A cheap scan first: most graphs have
     no product feeding an all_reduce, and matching chains costs more."""
-    found = [n for n in graph.find_nodes(op="call_function", target=ALL_REDUCE) if _factor(n) or _counted(n)]
+    found = [
+        n
+        for n in graph.find_nodes(op="call_function", target=ALL_REDUCE)
+        if _factor(n) or _counted(n)
+    ]
     if not any(_factor(n) for n in found):
         return {}
     out = {}
     for node in found:
         chain = match_chain(node)
-        if (chain is not None and not chain.pre and chain.problem is None and isinstance(chain.group_name, str)
-                and isinstance(val(node), torch.Tensor)):
+        if (
+            chain is not None
+            and not chain.pre
+            and chain.problem is None
+            and isinstance(chain.group_name, str)
+            and isinstance(val(node), torch.Tensor)
+        ):
             out[node] = chain
     return out
 
@@ -101,12 +123,24 @@ def _merge(graph: Graph, bucket: list[Chain], order: dict[Node, int]) -> None:
     with graph.inserting_before(where):
         flats = [new_node(graph, aten.reshape.default, (c.start, [-1])) for c in bucket]
         numels = [val(f).numel() for f in flats]
-        flat = new_node(graph, aten.cat.default, (flats, 0), name="factor_cat",
-                        value=flat_value(val(flats[0]), sum(numels)))
-        coll = new_node(graph, ALL_REDUCE, (flat, *bucket[0].collective.args[1:]), name="factor_all_reduce")
+        flat = new_node(
+            graph,
+            aten.cat.default,
+            (flats, 0),
+            name="factor_cat",
+            value=flat_value(val(flats[0]), sum(numels)),
+        )
+        coll = new_node(
+            graph, ALL_REDUCE, (flat, *bucket[0].collective.args[1:]), name="factor_all_reduce"
+        )
         wait = new_node(graph, WAIT, (coll,), name="factor_wait")
-        pieces = new_node(graph, aten.split_with_sizes.default, (wait, numels), name="factor_pieces",
-                          value=split_values(val(wait), numels))
+        pieces = new_node(
+            graph,
+            aten.split_with_sizes.default,
+            (wait, numels),
+            name="factor_pieces",
+            value=split_values(val(wait), numels),
+        )
         for i, c in enumerate(bucket):
             piece = graph.call_function(operator.getitem, (pieces, i))
             piece.meta["val"] = val(pieces)[i]
@@ -132,7 +166,9 @@ def bucket_low_rank_factors(graph: Graph, factor_bucket_cap_mb: float = 25.0) ->
     Returns True when the graph changed."""
     check_graph(PASS, graph)
     if not factor_bucket_cap_mb > 0:
-        raise ValueError(f"{PASS}: factor_bucket_cap_mb must be positive, got {factor_bucket_cap_mb}")
+        raise ValueError(
+            f"{PASS}: factor_bucket_cap_mb must be positive, got {factor_bucket_cap_mb}"
+        )
     candidates = _candidates(graph)
     if len(candidates) < 2:
         return False

@@ -39,14 +39,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 from fractions import Fraction
-from typing import Collection
 
 import torch
 from torch.fx import Graph
 
-from ._graph import (AVG_BACKENDS, COLLECTIVES, REDUCE_SCATTER, WAIT, Chain, GroupInfo, aten, chains, group_info, is_op,
-                     new_node, record)
+from ._graph import (
+    AVG_BACKENDS,
+    COLLECTIVES,
+    REDUCE_SCATTER,
+    WAIT,
+    Chain,
+    GroupInfo,
+    aten,
+    chains,
+    group_info,
+    is_op,
+    new_node,
+    record,
+)
 from .interface import graph_pass
 
 __all__ = ["fold_collective_scaling", "Options"]
@@ -69,7 +81,8 @@ def _why_not(chain: Chain, info: GroupInfo | None) -> str | None:
     if info is None:
         return f"unknown process group {chain.group_name!r}"
     if chain.collective.target is REDUCE_SCATTER and chain.collective.args[2] != info.size:
-        return f"group size {chain.collective.args[2]} != size of group {chain.group_name!r} ({info.size})"
+        size = chain.collective.args[2]
+        return f"group size {size} != size of group {chain.group_name!r} ({info.size})"
     return None
 
 
@@ -89,7 +102,9 @@ def _product(factors: tuple[Fraction, ...]) -> Fraction:
     return product
 
 
-def _fold(graph: Graph, chain: Chain, scales: list, info: GroupInfo, avg_backends: Collection[str]) -> bool:
+def _fold(
+    graph: Graph, chain: Chain, scales: list, info: GroupInfo, avg_backends: Collection[str]
+) -> bool:
     product = _product(chain.factors)
     to_avg = info.size > 1 and product == Fraction(1, info.size) and info.backend in avg_backends
     if product != 1 and not to_avg and len(scales) < 2:
@@ -107,7 +122,9 @@ def _fold(graph: Graph, chain: Chain, scales: list, info: GroupInfo, avg_backend
     else:
         first = next((n for n in chain.pre if n not in scales), chain.collective)
         with graph.inserting_before(first):
-            mul = new_node(graph, aten.mul.Tensor, (chain.start, float(product)), name="folded_scale")
+            mul = new_node(
+                graph, aten.mul.Tensor, (chain.start, float(product)), name="folded_scale"
+            )
         first.replace_input_with(chain.start, mul)
         record(PASS, "merged factors into one scale", chain.collective)
     return True

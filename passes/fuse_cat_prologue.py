@@ -26,10 +26,12 @@ collectives as such).
 
 from __future__ import annotations
 
-from torch.fx import Graph, Node
+from typing import cast
+
+from torch.fx import Graph
 
 from ._bucket import cat_prologue_problem
-from ._graph import VIEW_OPS, aten, chains, flat_value, is_op, new_node, reapply, record, val
+from ._graph import VIEW_OPS, arg, aten, chains, flat_value, is_op, new_node, reapply, record, val
 from .interface import graph_pass
 
 __all__ = ["fuse_cat_prologue"]
@@ -51,10 +53,12 @@ def fuse_cat_prologue(graph: Graph) -> bool:
             record(PASS, f"skipped: {reason}", chain.collective)
             continue
         with graph.inserting_before(chain.collective):  # 1-D views of a 1-D tensor: identities
-            members = [reapply(graph, m, chain.pre) for m in cat.args[0]]
+            members = [reapply(graph, m, chain.pre) for m in cast(list, cat.args[0])]
             total = sum(val(m).numel() for m in members)
-            flat = new_node(graph, aten.cat.default, (members,), value=flat_value(val(members[0]), total))
-        chain.collective.replace_input_with(chain.collective.args[0], flat)
+            flat = new_node(
+                graph, aten.cat.default, (members,), value=flat_value(val(members[0]), total)
+            )
+        chain.collective.replace_input_with(arg(chain.collective), flat)
         for n in reversed([cat, *chain.pre]):
             graph.erase_node(n)
         moved = sum(not is_op(n, VIEW_OPS) for n in chain.pre)

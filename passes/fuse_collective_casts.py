@@ -53,7 +53,7 @@ is used before the bucket's last input is ready; both are counted in ``counters[
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from torch.fx import Graph, Node
 
@@ -67,7 +67,13 @@ PASS = "fuse_collective_casts"
 
 
 def _key(chain: Chain) -> tuple[Any, ...]:
-    return (chain.collective.target, chain.group_name, chain.reduce_op, chain.wire_dtype, val(chain.collective).device)
+    return (
+        chain.collective.target,
+        chain.group_name,
+        chain.reduce_op,
+        chain.wire_dtype,
+        val(chain.collective).device,
+    )
 
 
 DERIVED_BUCKETS, MIN_CAP_MB, MAX_CAP_MB = 4, 2.0, 25.0
@@ -78,18 +84,28 @@ def _wire_bytes(chain: Chain) -> int:
     return inp.numel() * inp.element_size()
 
 
-def _caps(candidates: dict[Node, Chain], keys: dict[Node, tuple], cap_mb: Optional[float]) -> dict[tuple, float]:
+def _caps(
+    candidates: dict[Node, Chain], keys: dict[Node, tuple], cap_mb: float | None
+) -> dict[tuple, float]:
     """Bucket cap in bytes per key: ``cap_mb``, or derived (see the module docstring)."""
     total: dict[tuple, int] = {}
     for node, chain in candidates.items():
         total[keys[node]] = total.get(keys[node], 0) + _wire_bytes(chain)
     if cap_mb is not None:
         return {k: cap_mb * 2**20 for k in total}
-    return {k: min(max(t / DERIVED_BUCKETS, MIN_CAP_MB * 2**20), MAX_CAP_MB * 2**20) for k, t in total.items()}
+    return {
+        k: min(max(t / DERIVED_BUCKETS, MIN_CAP_MB * 2**20), MAX_CAP_MB * 2**20)
+        for k, t in total.items()
+    }
 
 
-def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple], caps: dict[tuple, float],
-             first_cap_mb: float) -> list[list[Chain]]:
+def _buckets(
+    graph: Graph,
+    candidates: dict[Node, Chain],
+    keys: dict[Node, tuple],
+    caps: dict[tuple, float],
+    first_cap_mb: float,
+) -> list[list[Chain]]:
     """Greedy in collective order: a bucket takes the next collective while it is a candidate
     of the same key, the wire bytes fit the cap and it does not depend on a member's result.
     The first bucket instead closes as soon as it holds ``first_cap_mb`` (DDP's rule), so a
@@ -130,7 +146,9 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple
             continue
         nbytes = _wire_bytes(chain)
         full = index > 0 and size + nbytes > caps[keys[node]]
-        if current and (keys[node] != keys[current[0].collective] or depends_on >= first_member or full):
+        if current and (
+            keys[node] != keys[current[0].collective] or depends_on >= first_member or full
+        ):
             close()
         if not current:
             first_member = count
@@ -148,24 +166,34 @@ def _buckets(graph: Graph, candidates: dict[Node, Chain], keys: dict[Node, tuple
 class Options:
     """The options of :func:`fuse_collective_casts`."""
 
-    bucket_cap_mb: Optional[float] = None
+    bucket_cap_mb: float | None = None
     """Cap of one bucket in MiB; None derives it from the graph's compressed bytes."""
     first_bucket_cap_mb: float = 1.0
     """Cap of the first bucket in MiB, so the wire starts early."""
 
 
-@graph_pass(options=Options, after=(
-    "fold_collective_scaling", "shard_weight_update", "all_to_all_weight_update",
-))
-def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, first_bucket_cap_mb: float = 1.0) -> bool:
+@graph_pass(
+    options=Options,
+    after=(
+        "fold_collective_scaling",
+        "shard_weight_update",
+        "all_to_all_weight_update",
+    ),
+)
+def fuse_collective_casts(
+    graph: Graph, bucket_cap_mb: float | None = None, first_bucket_cap_mb: float = 1.0
+) -> bool:
     """Bucket compressed all_reduce / reduce_scatter chains (see the module docstring).
     Returns True when the graph changed."""
     check_graph(PASS, graph)
     if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_cap_mb <= 0:
-        raise ValueError(f"{PASS}: bucket caps must be positive, got {bucket_cap_mb}, {first_bucket_cap_mb}")
+        raise ValueError(
+            f"{PASS}: bucket caps must be positive, got {bucket_cap_mb}, {first_bucket_cap_mb}"
+        )
     candidates: dict[Node, Chain] = {}
     for chain in chains(graph, PASS):
-        if not is_compressed(chain) or block_of(chain.collective) is not None:  # data_parallel's: per block
+        # data_parallel's: per block
+        if not is_compressed(chain) or block_of(chain.collective) is not None:
             continue
         if chain.problem:
             record(PASS, f"skipped: {chain.problem}", chain.collective)
@@ -178,7 +206,9 @@ def fuse_collective_casts(graph: Graph, bucket_cap_mb: Optional[float] = None, f
         return False
 
     keys = {node: _key(chain) for node, chain in candidates.items()}
-    buckets = _buckets(graph, candidates, keys, _caps(candidates, keys, bucket_cap_mb), first_bucket_cap_mb)
+    buckets = _buckets(
+        graph, candidates, keys, _caps(candidates, keys, bucket_cap_mb), first_bucket_cap_mb
+    )
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved: set[Node] = set()
     changed = False

@@ -12,8 +12,13 @@ from compiled_hooks import compat
 __all__ = ["graph_str"]
 
 _DTYPES = {
-    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-    torch.int64: "i64", torch.int32: "i32", torch.bool: "b8",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "b8",
 }
 
 
@@ -51,7 +56,9 @@ def _target_str(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         ns, name = target.namespace, target._schema.name.split("::")[-1]
         ns = {"_c10d_functional": "c10d"}.get(ns, ns)
-        return f"{ns}.{name}" + ("" if target._overloadname in ("default", "Tensor") else f".{target._overloadname}")
+        return f"{ns}.{name}" + (
+            "" if target._overloadname in ("default", "Tensor") else f".{target._overloadname}"
+        )
     return getattr(target, "__name__", str(target))
 
 
@@ -66,8 +73,17 @@ def graph_str(gm: torch.fx.GraphModule | torch.fx.Graph) -> str:
         elif n.op == "output":
             lines.append(f"return {_arg_str(n.args[0])}")
         else:
-            is_collective = isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional"
-            args = [_arg_str(a, group_arg=is_collective and i == len(n.args) - 1) for i, a in enumerate(n.args)]
+            is_collective = (
+                isinstance(n.target, torch._ops.OpOverload)
+                and n.target.namespace == "_c10d_functional"
+            )
+            args = [
+                _arg_str(a, group_arg=is_collective and i == len(n.args) - 1)
+                for i, a in enumerate(n.args)
+            ]
             args += [f"{k}={_arg_str(v)}" for k, v in n.kwargs.items()]
-            lines.append(f"{n.name}: {_type_str(n.meta.get('val'))} = {_target_str(n.target)}({', '.join(args)})")
+            lines.append(
+                f"{n.name}: {_type_str(n.meta.get('val'))} = "
+                f"{_target_str(n.target)}({', '.join(args)})"
+            )
     return "\n".join(lines)

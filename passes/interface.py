@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 __all__ = ["PassInterface", "PassOrderError", "graph_pass", "interface_of", "check_order"]
 
@@ -48,10 +49,14 @@ class PassOrderError(ValueError):
 
 def _keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
     params = list(inspect.signature(fn).parameters.values())[1:]  # after the graph
-    return {p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {
+        p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
 
 
-def graph_pass(*, options: type = NoOptions, after: Sequence[str] = ()) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
+def graph_pass(
+    *, options: type = NoOptions, after: Sequence[str] = ()
+) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
     """Declare a pass ``fn(graph, **options) -> bool``: its ``options`` dataclass and the names of
     the passes it must run after when a pipeline holds both."""
     if not dataclasses.is_dataclass(options):
@@ -60,9 +65,11 @@ def graph_pass(*, options: type = NoOptions, after: Sequence[str] = ()) -> Calla
     def declare(fn: Callable[..., bool]) -> Callable[..., bool]:
         fields = {f.name: f.default for f in dataclasses.fields(options)}
         if fields != _keyword_defaults(fn):
-            raise TypeError(f"graph_pass: {fn.__name__}'s keyword parameters {_keyword_defaults(fn)} differ from "
-                            f"its options {fields}")
-        fn.interface = PassInterface(fn.__name__, options, tuple(after))  # type: ignore[attr-defined]
+            raise TypeError(
+                f"graph_pass: {fn.__name__}'s keyword parameters {_keyword_defaults(fn)} differ "
+                f"from its options {fields}"
+            )
+        cast(Any, fn).interface = PassInterface(fn.__name__, options, tuple(after))
         return fn
 
     return declare
@@ -75,17 +82,21 @@ def interface_of(fn: Callable[..., Any]) -> PassInterface:
         return declared
     name = getattr(fn, "__name__", repr(fn))
     fields = [(k, Any, dataclasses.field(default=v)) for k, v in _keyword_defaults(fn).items()]
-    return PassInterface(name, dataclasses.make_dataclass(f"{name}_options", fields, frozen=True), ())
+    return PassInterface(
+        name, dataclasses.make_dataclass(f"{name}_options", fields, frozen=True), ()
+    )
 
 
 def check_order(interfaces: Sequence[PassInterface]) -> None:
     """Raise :class:`PassOrderError` when a pass comes before one it must run after."""
-    position = {}
+    position: dict[str, int] = {}
     for i, p in enumerate(interfaces):
         position.setdefault(p.name, i)
     for i, p in enumerate(interfaces):
         late = [name for name in p.after if position.get(name, -1) > i]
         if late:
             order = ", ".join(q.name for q in interfaces)
-            raise PassOrderError(f"Pipeline: {p.name} must run after {', '.join(late)}, which come(s) later "
-                                 f"in [{order}]")
+            raise PassOrderError(
+                f"Pipeline: {p.name} must run after {', '.join(late)}, which come(s) later in "
+                f"[{order}]"
+            )

@@ -45,31 +45,48 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
 In both, each broadcast's wait is moved to just before the write-back of the parameter, with
 the pure computation that reads its result (the rows' join, the parameters' slices; a write
 or a collective that needs one of them ends the wait), so all broadcasts are in flight
-together and an update runs while the broadcasts before it are. Only compute nodes, waits and the ZeRO
-broadcasts move: an update that depends on another collective, a wait or a mutation, or that
+together and an update runs while the broadcasts before it are. Only compute nodes, waits and the
+ZeRO broadcasts move: an update that depends on another collective, a wait or a mutation, or that
 would move past a write (which it might read), is left where it is.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from collections.abc import Callable
 
 from torch.fx import Graph, Node
 
 from ._bucket import compressed_collectives
-from ._graph import ALL_GATHER, ALL_TO_ALL, BROADCAST, COLLECTIVES, WAIT, check_graph, is_collective, is_op, record
+from ._graph import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    BROADCAST,
+    COLLECTIVES,
+    WAIT,
+    check_graph,
+    is_collective,
+    is_op,
+    record,
+)
 from .interface import graph_pass
 
 __all__ = ["interleave_zero_broadcasts"]
 
 PASS = "interleave_zero_broadcasts"
-GRADIENT_COLLECTIVES = COLLECTIVES + (ALL_TO_ALL,)  # all_to_all: all_to_all_weight_update's reduction
+GRADIENT_COLLECTIVES = COLLECTIVES + (
+    ALL_TO_ALL,
+)  # all_to_all: all_to_all_weight_update's reduction
 
 
 def _zero_broadcasts(graph: Graph) -> list[Node]:
-    return [n for n in graph.nodes
-            if is_op(n, (BROADCAST, ALL_GATHER)) and len(n.users) == 1 and is_op(next(iter(n.users)), (WAIT,))]
+    return [
+        n
+        for n in graph.nodes
+        if is_op(n, (BROADCAST, ALL_GATHER))
+        and len(n.users) == 1
+        and is_op(next(iter(n.users)), (WAIT,))
+    ]
 
 
 def _is_gradient_wait(n: Node) -> bool:
@@ -112,24 +129,39 @@ def _written_between(mutations: list[int], lo: int, hi: int) -> bool:
 
 def _movable(n: Node) -> bool:
     """A pure computation, or a constant (``get_attr``: e.g. an index tensor)."""
-    return n.op == "get_attr" or (n.op == "call_function" and not is_op(n, (WAIT,)) and not _mutates(n))
+    return n.op == "get_attr" or (
+        n.op == "call_function" and not is_op(n, (WAIT,)) and not _mutates(n)
+    )
 
 
-def _issued_together(nodes: list[Node], position: dict[Node, int], gradient_collectives: list[Node]) -> dict[Node, Node]:
+def _issued_together(
+    nodes: list[Node], position: dict[Node, int], gradient_collectives: list[Node]
+) -> dict[Node, Node]:
     """Each gradient collective -> the last one issued together with it: the run of collectives
     with nothing between them but the next one's own inputs (a bucket's chunks)."""
     end = {c: c for c in gradient_collectives}
     for c, nxt in reversed(list(zip(gradient_collectives, gradient_collectives[1:]))):
         lo, hi = position[c], position[nxt]
-        inputs = _ancestors([nxt], lambda i: lo < position[i] < hi)
-        if all(n in inputs for n in nodes[lo + 1:hi]):
+
+        def between(i: Node, lo: int = lo, hi: int = hi) -> bool:
+            return lo < position[i] < hi
+
+        inputs = _ancestors([nxt], between)
+        if all(n in inputs for n in nodes[lo + 1 : hi]):
             end[c] = end[nxt]
     return end
 
 
-def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Node, Node],
-                  gradient_collectives: list[Node], broadcasts: set[Node], broadcast_waits: set[Node],
-                  mutations: list[int], compressed: set[Node]) -> dict[Node, tuple[list[Node], list[Node]]]:
+def _held_updates(
+    nodes: list[Node],
+    position: dict[Node, int],
+    latest: dict[Node, Node],
+    gradient_collectives: list[Node],
+    broadcasts: set[Node],
+    broadcast_waits: set[Node],
+    mutations: list[int],
+    compressed: set[Node],
+) -> dict[Node, tuple[list[Node], list[Node]]]:
     """Interleaved schedule: anchor -> the nodes (in graph order) that move to just before it
     and just after it. Between two gradient collectives, the nodes that depend on the first
     one's result (backward's own compute does not) move if all of them can: compute, gradient
@@ -144,17 +176,22 @@ def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Nod
     index = {c: k for k, c in enumerate(gradient_collectives)}
     for first, second in zip(gradient_collectives, gradient_collectives[1:]):
         lo, hi = position[first], position[second]
-        region = [n for n in nodes[lo + 1:hi] if n in latest and latest[n].args[0] is first]
+        region = [n for n in nodes[lo + 1 : hi] if n in latest and latest[n].args[0] is first]
         if not any(n in broadcasts for n in region):
             continue
-        run = gradient_collectives[index[second]:index[end[second]] + 1]
+        run = gradient_collectives[index[second] : index[end[second]] + 1]
         past = not compressed.intersection([first, *run])
         anchor = end[second] if past else second
         if _written_between(mutations, lo, position[anchor]):
             record(PASS, "skipped: a write between two gradient collectives", second)
             continue
-        if not all(_movable(n) or n in broadcasts or n in broadcast_waits or _is_gradient_wait(n) for n in region):
-            record(PASS, "skipped: the update depends on a collective, a wait or a mutation", second)
+        if not all(
+            _movable(n) or n in broadcasts or n in broadcast_waits or _is_gradient_wait(n)
+            for n in region
+        ):
+            record(
+                PASS, "skipped: the update depends on a collective, a wait or a mutation", second
+            )
             continue
         inside = set(region)
         need = _ancestors([n for n in region if n in broadcasts], inside.__contains__)
@@ -165,7 +202,7 @@ def _held_updates(nodes: list[Node], position: dict[Node, int], latest: dict[Nod
 
 @graph_pass(after=("fuse_collective_casts", "all_to_all_weight_update", "shard_weight_update"))
 def interleave_zero_broadcasts(graph: Graph) -> bool:
-    """Schedule ZeRO updates and broadcasts (see the module docstring); True if the order changed."""
+    """Schedule ZeRO updates and broadcasts (the module docstring); True if the order changed."""
     check_graph(PASS, graph)
     broadcasts = _zero_broadcasts(graph)
     if not broadcasts:
@@ -184,8 +221,16 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
     # next gradient collective keeps it so): each update down to the next collective
     interleaved = position[broadcasts[0]] < position[last_issue]
     if interleaved:
-        held = _held_updates(nodes, position, latest, gradient_collectives, set(broadcasts), waits, mutations,
-                              compressed_collectives(graph, PASS))
+        held = _held_updates(
+            nodes,
+            position,
+            latest,
+            gradient_collectives,
+            set(broadcasts),
+            waits,
+            mutations,
+            compressed_collectives(graph, PASS),
+        )
         if held:
             moved = {n for before, after in held.values() for n in before + after}
             reordered: list[Node] = []
@@ -216,10 +261,13 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
         placed.add(n)
         for b in anchored.get(n, ()):
             update = sorted(_ancestors([b], lambda i: i not in placed), key=position.__getitem__)
-            if not all(_movable(u) for u in update if u is not b) or any(is_collective(u) for u in update if u is not b):
+            if not all(_movable(u) for u in update if u is not b) or any(
+                is_collective(u) for u in update if u is not b
+            ):
                 record(PASS, "skipped: the update depends on a collective, a wait or a mutation", b)
                 continue
-            if _written_between(mutations, position[n], position[b]):  # it might read what that writes
+            # it might read what that writes
+            if _written_between(mutations, position[n], position[b]):
                 record(PASS, "skipped: a mutation between the gradient and the update", b)
                 continue
             order.extend(update)

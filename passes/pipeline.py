@@ -18,7 +18,8 @@ import inspect
 import logging
 import pathlib
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from compiled_hooks import compat
 from compiled_hooks.env import env_flag
 from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
+from ._graph import check_graph
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
@@ -39,14 +41,13 @@ from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
 from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
+from .interface import check_order, interface_of
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
 from .prefetch_block_all_gathers import prefetch_block_all_gathers
 from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
-from ._graph import check_graph
-from .interface import check_order, interface_of
 from .verify import check_rewrite, copy_graph
 
 __all__ = ["Pipeline", "default_pipeline", "install", "KEEP_SCHEDULE"]
@@ -57,9 +58,11 @@ GraphPass = Callable[..., bool]
 # The Inductor options install() sets (and restores): its communication scheduling, which keeps
 # the waits where schedule_collectives put them, without its peak-memory ordering, which would
 # move them (and a ZeRO backward's collectives).
-KEEP_SCHEDULE = {"reorder_for_compute_comm_overlap": True,
-                 "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
-                 "reorder_for_peak_memory": False}
+KEEP_SCHEDULE = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
+    "reorder_for_peak_memory": False,
+}
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
@@ -83,8 +86,11 @@ def _in_topological_order(graph: Graph) -> bool:
 
 def summary(before: dict[str, int], after: dict[str, int], nodes: int, us: int) -> str:
     """One line for a compile: what each pass did (and skipped) between two counter readings."""
-    events = [f"{k} (x{after[k] - before.get(k, 0)})" for k in after
-              if not k.endswith(": us") and after[k] != before.get(k, 0)]
+    events = [
+        f"{k} (x{after[k] - before.get(k, 0)})"
+        for k in after
+        if not k.endswith(": us") and after[k] != before.get(k, 0)
+    ]
     return f"passes: {nodes} nodes, {us / 1e3:.1f} ms: " + ("; ".join(events) or "nothing to do")
 
 
@@ -113,12 +119,19 @@ class Pipeline(compat.CustomGraphPass):
     (:mod:`compiled_hooks.rank_guard`), and raises ``RankDivergenceError`` on every rank otherwise.
     """
 
-    def __init__(self, passes: Sequence[GraphPass], verify: Optional[bool] = None,
-                 check_ranks: Optional[bool] = None, **options: Any):
+    def __init__(
+        self,
+        passes: Sequence[GraphPass],
+        verify: bool | None = None,
+        check_ranks: bool | None = None,
+        **options: Any,
+    ):
         passes = list(passes)
         for p in passes:
             if not callable(p):
-                raise TypeError(f"Pipeline: a pass must be callable as pass(graph) -> bool, got {p!r}")
+                raise TypeError(
+                    f"Pipeline: a pass must be callable as pass(graph) -> bool, got {p!r}"
+                )
         self.interfaces = [interface_of(p) for p in passes]
         unknown = set(options) - set().union(*(i.option_names for i in self.interfaces))
         if unknown:
@@ -129,9 +142,11 @@ class Pipeline(compat.CustomGraphPass):
         self.verify = _flag("verify", verify, "PASSES_VERIFY")
         self.check_ranks = _flag("check_ranks", check_ranks, "PASSES_CHECK_RANKS")
         if self.check_ranks and not dist.is_initialized():
-            raise RuntimeError("check_ranks=True: torch.distributed is not initialized; call "
-                               "init_process_group() before making the pipeline (the guard compares ranks "
-                               "through the default group's store)")
+            raise RuntimeError(
+                "check_ranks=True: torch.distributed is not initialized; call "
+                "init_process_group() before making the pipeline (the guard compares ranks "
+                "through the default group's store)"
+            )
 
     def __call__(self, graph: Graph) -> None:
         self.run(graph)
@@ -156,7 +171,9 @@ class Pipeline(compat.CustomGraphPass):
 
     def _run(self, graph: Graph) -> bool:
         started = time.perf_counter()
-        counted = dict(counters["passes"]) if log.isEnabledFor(logging.INFO) else None  # for the summary line
+        counted = (
+            dict(counters["passes"]) if log.isEnabledFor(logging.INFO) else None
+        )  # for the summary line
         # Inductor's own DDP pass (schedule_comm_wait) can hand over a graph whose nodes are not
         # in topological order (Inductor sorts only after the custom pass); sort it first, the
         # same stable way, so the passes see a valid order.
@@ -166,7 +183,9 @@ class Pipeline(compat.CustomGraphPass):
         for p, interface in zip(self.passes, self.interfaces):
             before = copy_graph(graph) if self.verify else None
             t0 = time.perf_counter()
-            changed_now = p(graph, **{k: v for k, v in self.options.items() if k in interface.option_names})
+            changed_now = p(
+                graph, **{k: v for k, v in self.options.items() if k in interface.option_names}
+            )
             counters["passes"][f"{interface.name}: us"] += _us(t0)
             if changed_now and before is not None:
                 graph.lint()
@@ -184,14 +203,16 @@ class Pipeline(compat.CustomGraphPass):
             log.info("%s", summary(counted, counters["passes"], len(graph.nodes), us))
         return changed
 
-    def uuid(self) -> Optional[str]:
+    def uuid(self) -> str | None:
         if self.verify:
             return None  # never cached: a cache hit would skip the verification
         h = hashlib.sha256()
         for path in sorted(_PACKAGE_DIR.glob("*.py")):
             h.update(path.read_bytes())
         for p in self.passes:
-            h.update(f"{getattr(p, '__module__', '')}.{getattr(p, '__qualname__', repr(p))}".encode())
+            h.update(
+                f"{getattr(p, '__module__', '')}.{getattr(p, '__qualname__', repr(p))}".encode()
+            )
             try:
                 h.update(inspect.getsource(p).encode())
             except (OSError, TypeError):
@@ -209,22 +230,39 @@ class Pipeline(compat.CustomGraphPass):
         return f"Pipeline([{names}]{opts})"
 
 
-def default_pipeline(verify: Optional[bool] = None, *, shard_weight_update: bool = False,
-                     check_ranks: Optional[bool] = None, **options: Any) -> Pipeline:
+def default_pipeline(
+    verify: bool | None = None,
+    *,
+    shard_weight_update: bool = False,
+    check_ranks: bool | None = None,
+    **options: Any,
+) -> Pipeline:
     """``all_to_all_weight_update``, ``fold_collective_scaling``, ``bucket_block_all_gathers``,
     ``bucket_block_reduce_scatters``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
     ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
     ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``,
     ``reduce_scatter_as_all_to_all`` (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``
     (the three gloo rewrites'), ``all_gather_backends``, ``avg_backends``, ``bucket_cap_mb``,
-    ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``, ``prefetch_depth``, ``reduce_scatter_backends``;
+    ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``, ``prefetch_depth``,
+    ``reduce_scatter_backends``;
     ``shard_backends`` with ``shard_weight_update``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces
     it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
-    passes = [all_to_all_weight_update, fold_collective_scaling, bucket_block_all_gathers, bucket_block_reduce_scatters,
-              fuse_collective_casts, bucket_low_rank_factors, fuse_cat_prologue, interleave_zero_broadcasts,
-              schedule_collectives, prefetch_block_all_gathers, reinplace_broadcasts, all_gather_as_all_to_all,
-              reduce_scatter_as_all_to_all]
+    passes = [
+        all_to_all_weight_update,
+        fold_collective_scaling,
+        bucket_block_all_gathers,
+        bucket_block_reduce_scatters,
+        fuse_collective_casts,
+        bucket_low_rank_factors,
+        fuse_cat_prologue,
+        interleave_zero_broadcasts,
+        schedule_collectives,
+        prefetch_block_all_gathers,
+        reinplace_broadcasts,
+        all_gather_as_all_to_all,
+        reduce_scatter_as_all_to_all,
+    ]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)
@@ -267,12 +305,23 @@ class install:
     divergence (the backend's "connection closed" or timeout) as that ``RankDivergenceError``.
     """
 
-    def __init__(self, pipeline: Optional[Pipeline] = None, verify: Optional[bool] = None,
-                 check_ranks: Optional[bool] = None, options: Optional[dict[str, Any]] = None):
+    def __init__(
+        self,
+        pipeline: Pipeline | None = None,
+        verify: bool | None = None,
+        check_ranks: bool | None = None,
+        options: dict[str, Any] | None = None,
+    ):
         if pipeline is None:
             pipeline = default_pipeline(verify=verify, check_ranks=check_ranks, **(options or {}))
         elif verify is not None or check_ranks is not None or options is not None:
-            given = "verify=" if verify is not None else "check_ranks=" if check_ranks is not None else "options="
+            given = (
+                "verify="
+                if verify is not None
+                else "check_ranks="
+                if check_ranks is not None
+                else "options="
+            )
             raise ValueError(f"install: pass {given} to the Pipeline you give, or give no pipeline")
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
@@ -302,7 +351,11 @@ class install:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.restore()
-        if self.pipeline.check_ranks and isinstance(exc, RuntimeError) and not isinstance(exc, RankDivergenceError):
+        if (
+            self.pipeline.check_ranks
+            and isinstance(exc, RuntimeError)
+            and not isinstance(exc, RankDivergenceError)
+        ):
             # The rank that found the divergence waits until every rank's watchdog has read the
             # verdict before it raises (and exits, which is what releases a blocked gloo rank).
             error = unraised_verdict()

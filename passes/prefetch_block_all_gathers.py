@@ -25,7 +25,8 @@ that gathers again it is the same in reverse block order. With depth 1::
 When block ``j`` computes, the blocks before it are done with their gathered parameters (the
 graph frees them after their last use, with ``reshard_after_forward``) and ``j + 1 .. j +
 prefetch_depth`` are in flight: at most ``prefetch_depth + 1`` blocks' gathered parameters are
-alive at once, besides what the graph itself keeps. Every wait stays right before its first use. An all-gather whose inputs are not ready at its
+alive at once, besides what the graph itself keeps. Every wait stays right before its first use. An
+all-gather whose inputs are not ready at its
 slot stays where it is (counted). The order of collectives follows from the graph alone, the
 same on every rank; a second run finds every all-gather in its slot.
 """
@@ -33,6 +34,7 @@ same on every rank; a second run finds every all-gather in its slot.
 from __future__ import annotations
 
 import dataclasses
+
 from torch.fx import Graph, Node
 
 from ._graph import ALL_GATHER, WAIT, block_of, check_graph, input_cone, is_op, record
@@ -63,8 +65,14 @@ def prefetch_block_all_gathers(graph: Graph, prefetch_depth: int = 1) -> bool:
     if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
         raise ValueError(f"{PASS}: prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
     order = {n: i for i, n in enumerate(graph.nodes)}
-    ags = [n for n in graph.nodes if is_op(n, (ALL_GATHER,)) and block_of(n) is not None
-           and len(n.users) == 1 and is_op(_wait(n), (WAIT,))]
+    ags = [
+        n
+        for n in graph.nodes
+        if is_op(n, (ALL_GATHER,))
+        and block_of(n) is not None
+        and len(n.users) == 1
+        and is_op(_wait(n), (WAIT,))
+    ]
     ags.sort(key=lambda ag: order[_wait(ag)])
     changed = False
     for j, ag in enumerate(ags):

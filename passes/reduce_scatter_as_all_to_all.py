@@ -9,7 +9,7 @@ up the ``N`` pieces it received, in rank order, accumulating in fp32 when the wi
 narrower::
 
     r = reduce_scatter_tensor(x, "avg", N, G)   ->  a = all_to_all_single(x, [d] * N, [d] * N, G)
-    w = wait_tensor(r)                               w = wait_tensor(a)           # d = x.size(0) / N
+    w = wait_tensor(r)                               w = wait_tensor(a)     # d = x.size(0) / N
                                                      s = sum(view(w, [N, d, ...]), [0], dtype=f32)
                                                      w' = convert_element_type(div(s, N), x.dtype)
 
@@ -35,13 +35,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Collection
+from collections.abc import Collection
 
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import (ALL_TO_ALL, ALL_TO_ALL_CHUNK_BYTES, REDUCE_SCATTER, WAIT, aten, check_chunk_bytes, check_graph,
-                     chunk_bounds, group_info, is_op, new_node, prims, record, val)
+from ._graph import (
+    ALL_TO_ALL,
+    ALL_TO_ALL_CHUNK_BYTES,
+    REDUCE_SCATTER,
+    WAIT,
+    aten,
+    check_chunk_bytes,
+    check_graph,
+    chunk_bounds,
+    group_info,
+    is_op,
+    new_node,
+    prims,
+    record,
+    val,
+)
 from .interface import graph_pass
 
 __all__ = ["reduce_scatter_as_all_to_all", "Options"]
@@ -60,7 +74,9 @@ def _sent(graph: Graph, x: Node, size: int, group, pieces: list[tuple[int, int]]
     sent = []
     for lo, hi in pieces:
         piece = new_node(graph, aten.slice.Tensor, (rows, 1, lo, hi))
-        piece = new_node(graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+        piece = new_node(
+            graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
+        )
         piece = new_node(graph, aten.view.default, (piece, [size * (hi - lo), *rest]))
         sent.append(new_node(graph, ALL_TO_ALL, (piece, [hi - lo] * size, [hi - lo] * size, group)))
     return sent
@@ -77,12 +93,21 @@ class Options:
     pieces of at most this, all in flight."""
 
 
-@graph_pass(options=Options, after=(
-    "schedule_collectives", "bucket_block_reduce_scatters", "fuse_collective_casts",
-    "fold_collective_scaling", "shard_weight_update",
-))
-def reduce_scatter_as_all_to_all(graph: Graph, reduce_scatter_backends: Collection[str] = BACKENDS,
-                                 all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES) -> bool:
+@graph_pass(
+    options=Options,
+    after=(
+        "schedule_collectives",
+        "bucket_block_reduce_scatters",
+        "fuse_collective_casts",
+        "fold_collective_scaling",
+        "shard_weight_update",
+    ),
+)
+def reduce_scatter_as_all_to_all(
+    graph: Graph,
+    reduce_scatter_backends: Collection[str] = BACKENDS,
+    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES,
+) -> bool:
     """Rewrite reduce-scatters on groups whose backend is in ``reduce_scatter_backends`` into
     all_to_alls of at most ``all_to_all_chunk_bytes`` per destination and a local sum (see the
     module docstring); True if anything changed."""
@@ -105,7 +130,9 @@ def reduce_scatter_as_all_to_all(graph: Graph, reduce_scatter_backends: Collecti
         value = val(x)
         shape, dtype = list(value.shape), value.dtype
         d = shape[0] // size
-        pieces = chunk_bounds(d, math.prod(shape[1:]) * value.element_size(), all_to_all_chunk_bytes)
+        pieces = chunk_bounds(
+            d, math.prod(shape[1:]) * value.element_size(), all_to_all_chunk_bytes
+        )
         if not value.is_contiguous():
             pieces = [(0, d)]
         acc = torch.float32 if dtype.is_floating_point and dtype.itemsize < 4 else dtype
@@ -113,10 +140,22 @@ def reduce_scatter_as_all_to_all(graph: Graph, reduce_scatter_backends: Collecti
             sent = _sent(graph, x, size, group, pieces)
         users = list(wait.users)
         with graph.inserting_before(wait):
-            sums = [new_node(graph, aten.sum.dim_IntList,
-                             (new_node(graph, aten.view.default, (new_node(graph, WAIT, (a,)), [size, hi - lo, *shape[1:]])),
-                              [0]), {"dtype": acc})
-                    for a, (lo, hi) in zip(sent, pieces)]
+            sums = [
+                new_node(
+                    graph,
+                    aten.sum.dim_IntList,
+                    (
+                        new_node(
+                            graph,
+                            aten.view.default,
+                            (new_node(graph, WAIT, (a,)), [size, hi - lo, *shape[1:]]),
+                        ),
+                        [0],
+                    ),
+                    {"dtype": acc},
+                )
+                for a, (lo, hi) in zip(sent, pieces)
+            ]
             total = sums[0] if len(sums) == 1 else new_node(graph, aten.cat.default, (sums,))
             if op == "avg":
                 total = new_node(graph, aten.div.Tensor, (total, size))

@@ -37,7 +37,16 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, WAIT, block_of, check_graph, is_chain_op, is_collective, is_op, record
+from ._graph import (
+    ALL_GATHER,
+    WAIT,
+    block_of,
+    check_graph,
+    is_chain_op,
+    is_collective,
+    is_op,
+    record,
+)
 from .interface import graph_pass
 
 __all__ = ["schedule_collectives", "schedule_problems"]
@@ -118,8 +127,11 @@ def _raise_collectives(graph: Graph) -> bool:
         if _prefetched(node):
             barrier = node  # prefetch_block_all_gathers places it
         elif is_collective(node):
-            anchor = max(node.all_input_nodes + ([barrier] if barrier is not None else []),
-                         key=pos.__getitem__, default=None)
+            anchor = max(
+                node.all_input_nodes + ([barrier] if barrier is not None else []),
+                key=pos.__getitem__,
+                default=None,
+            )
             if anchor is not None and anchor is not node.prev and pos[anchor] < pos[node]:
                 anchor.append(node)
                 pos[node] = (pos[anchor][0], pos[anchor][1] + 1)
@@ -147,10 +159,13 @@ def schedule_problems(graph: Graph) -> list[str]:
         node = end.next
         while node.op != "root" and node not in end.users:
             if node not in runs:
-                problems.append(f"{wait.name} waits before {node.name}, which does not use its result")
+                problems.append(
+                    f"{wait.name} waits before {node.name}, which does not use its result"
+                )
                 break
             node = node.next
-    barrier, known = None, {}
+    barrier: Node | None = None
+    known: dict = {}
     for node in graph.nodes:
         if _prefetched(node):
             barrier = node
@@ -163,10 +178,15 @@ def schedule_problems(graph: Graph) -> list[str]:
     return problems
 
 
-@graph_pass(after=(
-    "fuse_collective_casts", "bucket_low_rank_factors", "bucket_block_all_gathers",
-    "bucket_block_reduce_scatters", "interleave_zero_broadcasts",
-))
+@graph_pass(
+    after=(
+        "fuse_collective_casts",
+        "bucket_low_rank_factors",
+        "bucket_block_all_gathers",
+        "bucket_block_reduce_scatters",
+        "interleave_zero_broadcasts",
+    )
+)
 def schedule_collectives(graph: Graph) -> bool:
     """Move waits late and collectives early (see the module docstring). True when the graph
     changed."""

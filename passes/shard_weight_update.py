@@ -11,17 +11,20 @@ its own:
    only by the hook's elementwise scale and cast ops and reshapes, and nothing else reads the
    all_reduce::
 
-       ar = all_reduce(x, 'sum', G); w = wait(ar); d = div(w, 2)       rs = reduce_scatter(x, 'sum', N, G)
-       v = view(d, [N, c]); mine = index(v, [group_rank(G)])     ->    w = wait(rs); d = div(w, 2)
-                                                                       mine = view(d, [1, c])
+       ar = all_reduce(x, 'sum', G); w = wait(ar); d = div(w, 2)
+       v = view(d, [N, c]); mine = index(v, [group_rank(G)])
+           ->
+       rs = reduce_scatter(x, 'sum', N, G)
+       w = wait(rs); d = div(w, 2)
+       mine = view(d, [1, c])
 
    ``group_rank`` (``torch.ops.compiled_hooks.group_rank``) is what proves the index is this
    rank: an arbitrary index input would not, and is left alone.
 2. *owner broadcasts*: ``cat([wait(broadcast(y, 0, G)), ..., wait(broadcast(y, N-1, G))])``
    of one tensor ``y`` from every rank of ``G`` in rank order is ``all_gather(y)``::
 
-       b0 = broadcast(y, 0, G); b1 = broadcast(y, 1, G)               ag = all_gather_into_tensor(y, N, G)
-       full = cat([wait(b0), wait(b1)])                          ->    full = wait(ag)
+       b0 = broadcast(y, 0, G); b1 = broadcast(y, 1, G)   ->   ag = all_gather_into_tensor(y, N, G)
+       full = cat([wait(b0), wait(b1)])                        full = wait(ag)
 
 The reduce_scatter sums each element over the same ranks as the all_reduce did (bit for bit
 on 2 ranks; a backend may order a larger sum differently, within rounding); the all_gather
@@ -33,11 +36,21 @@ whose backend is in ``shard_backends`` (default NCCL and the fake test backend, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection
+from collections.abc import Collection
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, REDUCE_SCATTER, WAIT, aten, check_graph, new_node, reapply, record, val
+from ._graph import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    WAIT,
+    aten,
+    check_graph,
+    new_node,
+    reapply,
+    record,
+    val,
+)
 from ._weight_update import weight_update_matches
 from .interface import graph_pass
 
@@ -49,17 +62,23 @@ PASS = "shard_weight_update"
 # as much as the all_reduce (docs/benchmarks.md), so gloo graphs are left alone unless asked for
 # (all_to_all_weight_update makes the same exchange there out of chunked all_to_all).
 SHARD_BACKENDS = frozenset({"nccl", "fake"})
-_WHY_NOT = {"gloo": "its reduce_scatter costs more than its all_reduce; all_to_all_weight_update covers gloo, "
-                    "or pass shard_backends to force"}
+_WHY_NOT = {
+    "gloo": "its reduce_scatter costs more than its all_reduce; all_to_all_weight_update covers "
+    "gloo, or pass shard_backends to force"
+}
 
 
 def _rewrite_own_slice(graph: Graph, index: Node, chain, n: int) -> None:
     with graph.inserting_before(chain.collective):
-        rs = new_node(graph, REDUCE_SCATTER, (chain.collective.args[0], chain.reduce_op, n, chain.group_name))
+        rs = new_node(
+            graph, REDUCE_SCATTER, (chain.collective.args[0], chain.reduce_op, n, chain.group_name)
+        )
     with graph.inserting_before(chain.wait):
         value = new_node(graph, WAIT, (rs,))
     with graph.inserting_before(index):
-        value = reapply(graph, value, chain.post)  # the scales and casts, on the slice (elementwise: they commute)
+        value = reapply(
+            graph, value, chain.post
+        )  # the scales and casts, on the slice (elementwise: they commute)
         mine = new_node(graph, aten.view.default, (value, list(val(index).shape)))
     index.replace_all_uses_with(mine)
     for dead in [index, *reversed(chain.post), chain.wait, chain.collective]:

@@ -25,14 +25,15 @@ their bytes are alive after each node.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.fx_passes.post_grad import remove_noop_ops
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .graph_text import graph_str
 
@@ -49,18 +50,25 @@ def fake_process_group(world_size: int) -> dist.ProcessGroup:
         if backend != "fake":
             if dist.get_world_size() != world_size:
                 raise ValueError(
-                    f"trace: a {backend} process group of size {dist.get_world_size()} is initialized; "
-                    f"world_size={world_size} cannot be traced in this process (pass world_size=None)."
+                    f"trace: a {backend} process group of size {dist.get_world_size()} is "
+                    f"initialized; world_size={world_size} cannot be traced in this process (pass "
+                    "world_size=None)."
                 )
-            return dist.group.WORLD
+            return _world()
         if dist.get_world_size() == world_size:
-            return dist.group.WORLD
+            return _world()
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    return dist.group.WORLD
+    return _world()
 
 
-def trace(fn: Callable[..., Any], *args: Any, world_size: Optional[int] = 8) -> torch.fx.GraphModule:
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert world is not None, "the default group is initialized"
+    return world
+
+
+def trace(fn: Callable[..., Any], *args: Any, world_size: int | None = 8) -> torch.fx.GraphModule:
     """Trace ``fn(*args)`` to a post-grad-style ATen graph with a ``world_size``-rank group."""
     if world_size is None:
         if not dist.is_initialized():
@@ -80,7 +88,9 @@ def trace(fn: Callable[..., Any], *args: Any, world_size: Optional[int] = 8) -> 
     return gm
 
 
-def partitioned_graphs(step: Callable[[Callable[..., Any]], Any]) -> list[tuple[str, torch.fx.GraphModule]]:
+def partitioned_graphs(
+    step: Callable[[Callable[..., Any]], Any],
+) -> list[tuple[str, torch.fx.GraphModule]]:
     """``step(compile)`` runs a training step with ``compile`` (``torch.compile`` with a backend
     that partitions forward and backward like Inductor, with its decompositions, and runs them
     as traced); every ``("forward" | "backward", graph)`` compiled, in order."""
@@ -93,12 +103,18 @@ def partitioned_graphs(step: Callable[[Callable[..., Any]], Any]) -> list[tuple[
         def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             graphs.append((kind, gm))
             return make_boxed_func(gm.forward)
+
         return compiler
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                                     partition_fn=min_cut_rematerialization_partition,
-                                     decompositions=select_decomp_table())
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=keep("forward"),
+            bw_compiler=keep("backward"),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table(),
+        )
 
     step(lambda fn, **kw: torch.compile(fn, backend=backend, **kw))
     return graphs
@@ -114,8 +130,12 @@ def _aliases(node: torch.fx.Node) -> bool:
     if target is _WAIT or target is operator.getitem:  # a piece of a split is a view
         return True
     schema = getattr(target, "_schema", None)
-    return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
-            and not schema.returns[0].alias_info.is_write)
+    return (
+        schema is not None
+        and bool(schema.returns)
+        and schema.returns[0].alias_info is not None
+        and not schema.returns[0].alias_info.is_write
+    )
 
 
 def gathered_bytes_alive(graph: torch.fx.Graph) -> list[int]:

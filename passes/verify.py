@@ -6,10 +6,10 @@ run on the same random inputs made from the placeholders' metadata (floats from 
 normal distribution, integers and booleans as zeros so that indices stay valid), with every
 collective *simulated* for N ranks that hold identical values, seen from rank 0:
 ``all_reduce`` sum is ``N * x`` and avg is ``x``, ``reduce_scatter`` gives rank 0's shard,
-``all_to_all`` N copies of it unreduced, ``all_gather`` repeats, ``broadcast`` and ``wait`` are the identity, ``group_rank`` is 0.
-So verification never communicates (it is safe at compile time on any number of ranks,
-whatever each rank compiles), and it checks exactly what the passes rewrite: the arithmetic
-and the data layout around the collectives.
+``all_to_all`` N copies of it unreduced, ``all_gather`` repeats, ``broadcast`` and ``wait`` are the
+identity, ``group_rank`` is 0. So verification never communicates (it is safe at compile time on any
+number of ranks, whatever each rank compiles), and it checks exactly what the passes rewrite: the
+arithmetic and the data layout around the collectives.
 
 A mismatch raises :class:`PassVerificationError` naming the pass, the first output that
 differs, the first node (by name, present in both graphs) whose value differs, and the graph
@@ -20,13 +20,26 @@ values' magnitude; integers and booleans must be equal.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
-from ._graph import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, BROADCAST_, COLLECTIVES, GROUP_RANK, POWERSGD_COUNT,
-                     REDUCE_SCATTER, WAIT, group_info, record)
+from ._graph import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    BROADCAST,
+    BROADCAST_,
+    COLLECTIVES,
+    GROUP_RANK,
+    POWERSGD_COUNT,
+    REDUCE_SCATTER,
+    WAIT,
+    group_info,
+    record,
+)
 from .graph_text import graph_str
 
 __all__ = ["PassVerificationError", "check_rewrite", "simulate", "random_inputs", "copy_graph"]
@@ -92,7 +105,8 @@ _SIMULATED: dict[Any, Callable[..., Any]] = {
     # PowerSGD's step counter: never run (it would count a step of the state); its Q is a fixed
     # function of the slot, the same in both graphs.
     POWERSGD_COUNT: lambda grad, state_id, slot, rows, cols: torch.randn(
-        rows, cols, generator=torch.Generator().manual_seed(slot), dtype=grad.dtype).to(grad.device),
+        rows, cols, generator=torch.Generator().manual_seed(slot), dtype=grad.dtype
+    ).to(grad.device),
 }
 
 
@@ -127,7 +141,7 @@ def _hint(s: Any) -> int:
 def random_inputs(graph: Graph, seed: int = 0) -> list[Any]:
     """Inputs for ``graph``'s placeholders from their ``meta["val"]``."""
     gen = torch.Generator().manual_seed(seed)
-    inputs = []
+    inputs: list[Any] = []
     for node in graph.find_nodes(op="placeholder"):
         v = node.meta.get("val")
         if isinstance(v, torch.Tensor):
@@ -140,7 +154,8 @@ def random_inputs(graph: Graph, seed: int = 0) -> list[Any]:
             inputs.append(t.to(v.device))
         elif isinstance(v, (int, torch.SymInt)):
             inputs.append(_hint(v))
-        elif all(u.op == "output" for u in node.users):  # an opaque object (a DTensor's mesh) passed through
+        elif all(u.op == "output" for u in node.users):
+            # an opaque object (a DTensor's mesh) passed through
             inputs.append(None)
         else:
             raise CannotVerify(f"placeholder {node.name} has no example value")
@@ -158,7 +173,7 @@ def simulate(graph: Graph, inputs: list[Any]) -> tuple[list[Any], dict[str, Any]
     return outs + args, sim.values
 
 
-def _least_precise(graph: Graph) -> Optional[torch.dtype]:
+def _least_precise(graph: Graph) -> torch.dtype | None:
     dtypes = []
     for n in graph.nodes:
         if n.op == "call_function" and n.target in COLLECTIVES:
@@ -168,7 +183,7 @@ def _least_precise(graph: Graph) -> Optional[torch.dtype]:
     return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else None
 
 
-def _mismatch(ref: Any, got: Any, wire: Optional[torch.dtype]) -> Optional[str]:
+def _mismatch(ref: Any, got: Any, wire: torch.dtype | None) -> str | None:
     if not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor):
         return None if ref == got else f"{got!r} != {ref!r}"
     if ref.shape != got.shape or ref.dtype != got.dtype:
@@ -178,8 +193,11 @@ def _mismatch(ref: Any, got: Any, wire: Optional[torch.dtype]) -> Optional[str]:
     ref64, got64 = ref.double(), got.double()
     finite, nan = torch.isfinite(ref64), torch.isnan(ref64)
     infinite = ~finite & ~nan
-    if (not torch.equal(finite, torch.isfinite(got64)) or not torch.equal(nan, torch.isnan(got64))
-            or not torch.equal(ref64[infinite], got64[infinite])):
+    if (
+        not torch.equal(finite, torch.isfinite(got64))
+        or not torch.equal(nan, torch.isnan(got64))
+        or not torch.equal(ref64[infinite], got64[infinite])
+    ):
         return "non-finite values differ"
     eps = max(torch.finfo(ref.dtype).eps, torch.finfo(wire).eps if wire is not None else 0.0) / 2
     r, g = ref64[finite], got64[finite]
@@ -192,7 +210,7 @@ def _mismatch(ref: Any, got: Any, wire: Optional[torch.dtype]) -> Optional[str]:
     return f"max abs diff {err.max().item():.3g} (allowed there {bound[err.argmax()].item():.3g})"
 
 
-def _snippet(graph: Graph, name: Optional[str], context: int = 4) -> str:
+def _snippet(graph: Graph, name: str | None, context: int = 4) -> str:
     lines = graph_str(graph).splitlines()
     if name is None or len(lines) <= 2 * context + 8:
         return "\n".join(lines)
@@ -234,13 +252,21 @@ def check_rewrite(pass_name: str, before: Graph, after: Graph, seed: int = 0) ->
             where, suspects = f"output {i} ({out_args[i].name})", _ancestors(out_args[i])
         else:
             where, suspects = f"input {i - len(out_args)} (written in place)", set(after.nodes)
-        first = next((n.name for n in after.nodes if n in suspects and n.name in ref_values
-                      and n.name in got_values and _mismatch(ref_values[n.name], got_values[n.name], wire)), None)
+        first = next(
+            (
+                n.name
+                for n in after.nodes
+                if n in suspects
+                and n.name in ref_values
+                and n.name in got_values
+                and _mismatch(ref_values[n.name], got_values[n.name], wire)
+            ),
+            None,
+        )
         raise PassVerificationError(
-            f"pass {pass_name} changed the graph's values: {where}: {problem}.\n"
-            f"First node whose value differs: {first or 'none found by name'}.\n"
-            f"--- before {pass_name} ---\n{_snippet(before, first)}\n"
-            f"--- after {pass_name} ---\n{_snippet(after, first)}"
+            f"pass {pass_name} changed the graph's values: {where}: {problem}.\nFirst node whose "
+            f"value differs: {first or 'none found by name'}.\n--- before {pass_name} "
+            f"---\n{_snippet(before, first)}\n--- after {pass_name} ---\n{_snippet(after, first)}"
         )
     record(pass_name, "verified")
     return True

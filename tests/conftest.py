@@ -1,10 +1,8 @@
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from passes.testing import fake_process_group
 
 SUMMARY: list[str] = []  # lines tests want in the terminal summary (seeds, counts)
 
@@ -14,27 +12,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line)
 
 
-@contextlib.contextmanager
-def fake_process_group(world_size: int):
-    """An in-process default group of ``world_size`` fake ranks (no communication)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture
 def fake_pg():
-    with fake_process_group(8) as pg:
-        yield pg
+    """A fake default group of 8 ranks (no communication), removed after the test."""
+    return fake_process_group(8)
 
 
 @pytest.fixture(autouse=True)
 def _reset_dynamo_and_fake_group():
     yield
     torch._dynamo.reset()
-    if dist.is_initialized() and dist.get_backend() == "fake":  # left by passes.testing.trace
+    if dist.is_initialized() and dist.get_backend() == "fake":  # fake_process_group's
         dist.destroy_process_group()
 
 

@@ -21,13 +21,16 @@ def hook_fn(kind: str, sharded: bool, group=None):
     ar_hook, rs_hook, state_cls = HOOKS[kind]
     state = state_cls(group or dist.group.WORLD)
     if sharded:
+
         def fn(grad, output):
             rs_hook(state, grad, output)
             return output
     else:
+
         def fn(grad):
             ar_hook(state, grad)
             return grad
+
     return fn
 
 
@@ -47,6 +50,7 @@ def ddp_fn(kind: str, group=None):
             g.copy_(torch.sin(g))
             hook(state, g)
         return grads
+
     return fn
 
 
@@ -67,15 +71,18 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
     state = state_cls(dist.group.WORLD)
     n = len(zero.params)
     # built first: it lays out zero's state by its buckets (ZeroOptimizer.plan_buckets)
-    core = ZeroStep(hook, zero, interleaved, bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes)
+    core = ZeroStep(
+        hook, zero, interleaved, bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes
+    )
     owned = zero.storage.containers()
 
     def fn(*args):
-        with mock.patch("torch.compiler.is_compiling", return_value=True):  # as Dynamo traces the hooks
+        # as Dynamo traces the hooks
+        with mock.patch("torch.compiler.is_compiling", return_value=True):
             return _fn(*args)
 
     def _fn(*args):
-        grads, params, flat_state = args[:n], args[n:2 * n], list(args[2 * n:])
+        grads, params, flat_state = args[:n], args[n : 2 * n], list(args[2 * n :])
         zero.params[:] = params  # the storage shares the list
         zero._index = {id(p): i for i, p in enumerate(params)}
         zero._steps, zero._table = flat_state.pop(0), flat_state.pop(0)
@@ -91,13 +98,17 @@ def zero_step_fn(zero, kind: str, interleaved: bool, bucket_bytes: int = 1):
         g = torch.Generator().manual_seed(seed)
         grads = [torch.randn(p.shape, generator=g) for p in zero.params]
         params = [torch.randn(p.shape, generator=g) for p in zero.params]
-        state = [zero._steps.clone(), zero._table.clone()] + [t.clone() for d in owned for t in d.values()]
+        state = [zero._steps.clone(), zero._table.clone()] + [
+            t.clone() for d in owned for t in d.values()
+        ]
         return (*grads, *params, *state)
 
     return fn, args
 
 
-def zero_optimizer(world_size: int, shapes, optimizer=torch.optim.Adam, shard_buckets: bool = False, **kw):
+def zero_optimizer(
+    world_size: int, shapes, optimizer=torch.optim.Adam, shard_buckets: bool = False, **kw
+):
     """A ZeroOptimizer on the fake ``world_size``-rank group over fresh parameters of ``shapes``."""
     from compiled_hooks.zero import ZeroOptimizer
     from passes.testing import fake_process_group

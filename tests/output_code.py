@@ -19,8 +19,10 @@ __all__ = ["collective_calls", "bucket_writers", "casts_to"]
 _KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''(.*?)'''", re.M | re.S)
 _ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+),.*# alias$", re.M)
 # A cast written in a kernel: C++ (vectorized or scalar) and Triton spellings.
-_CASTS = {"bfloat16": (r"convert<at::BFloat16\b", r"\.to\(tl\.bfloat16\)"),
-          "float16": (r"convert<at::Half\b", r"\.to\(tl\.float16\)")}
+_CASTS = {
+    "bfloat16": (r"convert<at::BFloat16\b", r"\.to\(tl\.bfloat16\)"),
+    "float16": (r"convert<at::Half\b", r"\.to\(tl\.float16\)"),
+}
 
 
 def _call_body(code: str) -> str:

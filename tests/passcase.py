@@ -28,7 +28,9 @@ class PassTestCase(expecttest.TestCase):
         name = graph_pass.__name__
         reasons = [k for k in counters["passes"] if k.startswith(f"{name}: skipped")]
         reasons += [k for k in counters["passes"] if k.startswith(f"{name}: skipped bucket")]
-        self.assertTrue(any(reason in k for k in reasons), f"no skip reason {reason!r} in {reasons}")
+        self.assertTrue(
+            any(reason in k for k in reasons), f"no skip reason {reason!r} in {reasons}"
+        )
 
     def meta_consistent(self, gm):
         for n in gm.graph.nodes:

@@ -6,17 +6,17 @@ reduced in a subgroup); a ZeRO-shaped step (average, update, broadcast from an o
 ZeRO hooks' step over a real ``ZeroOptimizer`` (SGD-momentum, Adam or AdamW, whole parameters or
 ``shard_buckets``, interleaved or after backward, fp32 or bf16 hook, buckets of one parameter,
 a few, or all); ``data_parallel``-shaped blocks of gathers and reduce-scatters under their block
-marks; and hand-written chains
-(random constant factors, casts, views, sum or avg, all_reduce or reduce_scatter). Each case is
-``(description, make, args, world_size)``; ``make()`` builds the function and its process-group
-state, after the fake group of ``world_size`` exists; ``args`` is a tuple, or a callable giving
-one that is called after ``make()``.
+marks; and hand-written chains (random constant factors, casts, views, sum or avg, all_reduce or
+reduce_scatter). Each case is ``(description, make, args, world_size)``; ``make()`` builds the
+function and its process-group state, after the fake group of ``world_size`` exists; ``args`` is a
+tuple, or a callable giving one that is called after ``make()``.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,9 @@ def hook_case(rng: random.Random, ws: int) -> Case:
             return lambda g, o: (rs(state, g, o), o)[1]
         return lambda g: (ar(state, g), g)[1]
 
-    args = (_tensor(rng, (numel * ws,)), torch.empty(numel)) if sharded else (_tensor(rng, (numel,)),)
+    args = (
+        (_tensor(rng, (numel * ws,)), torch.empty(numel)) if sharded else (_tensor(rng, (numel,)),)
+    )
     return f"hook {kind} {'rs' if sharded else 'ar'} n={numel}", make, args, ws
 
 
@@ -85,6 +87,7 @@ def ddp_case(rng: random.Random, ws: int) -> Case:
                     extras.append(g.sum())
                 hook(sub if use_sub else world, g)
             return (*grads, *extras)
+
         return fn
 
     desc = f"ddp {kind} params={len(shapes)} scale={scale} extra_user={extra_user} mixed={mixed}"
@@ -104,6 +107,7 @@ def zero_case(rng: random.Random, ws: int) -> Case:
                 g.copy_(avg)
                 p.copy_(fcol.broadcast(p - lr * avg, i % ws, dist.group.WORLD))
             return tensors
+
         return fn
 
     args = tuple(_tensor(rng, s) for s in shapes) * 2
@@ -138,28 +142,39 @@ def chain_case(rng: random.Random, ws: int) -> Case:
             r = apply(r, post)
             out = r.to(x.dtype)
             return (out, side) if second_user else out
+
         return fn
 
-    desc = f"chain wire={wire} {'rs' if rs else 'ar'} {op} pre={pre} post={post} second_user={second_user}"
+    kind = "rs" if rs else "ar"
+    desc = f"chain wire={wire} {kind} {op} pre={pre} post={post} second_user={second_user}"
     return desc, make, (_tensor(rng, (numel,)),), ws
 
 
 def zero_optimizer_case(rng: random.Random, ws: int) -> Case:
     from tests.graphs import zero_optimizer, zero_step_fn
 
-    optimizer, kw = rng.choice([(torch.optim.SGD, dict(momentum=0.9)), (torch.optim.Adam, {}),
-                                (torch.optim.AdamW, dict(weight_decay=0.1))])
+    optimizer, kw = rng.choice(
+        [
+            (torch.optim.SGD, dict(momentum=0.9)),
+            (torch.optim.Adam, {}),
+            (torch.optim.AdamW, dict(weight_decay=0.1)),
+        ]
+    )
     shapes = [_shape(rng) for _ in range(rng.randint(1, 5))]
     shard, interleaved, kind = rng.random() < 0.5, rng.random() < 0.5, rng.choice(["fp32", "bf16"])
     built = {}
 
     def make():
         zero = zero_optimizer(ws, shapes, optimizer, shard_buckets=shard, **kw)
-        built["fn"], built["args"] = zero_step_fn(zero, kind, interleaved, bucket_bytes=rng.choice([1, 100, 10**6]))
+        built["fn"], built["args"] = zero_step_fn(
+            zero, kind, interleaved, bucket_bytes=rng.choice([1, 100, 10**6])
+        )
         return built["fn"]
 
-    desc = (f"ZeroOptimizer {optimizer.__name__} shard_buckets={shard} interleaved={interleaved} {kind} "
-            f"params={len(shapes)}")
+    desc = (
+        f"ZeroOptimizer {optimizer.__name__} shard_buckets={shard} interleaved={interleaved} "
+        f"{kind} params={len(shapes)}"
+    )
     return desc, make, lambda: built["args"](rng.randint(0, 1000)), ws
 
 
@@ -184,7 +199,9 @@ def data_parallel_case(rng: random.Random, ws: int) -> Case:
                 with annotate({BLOCK: str(b)}):
                     for _ in shapes:
                         shard = next(it)
-                        full = compat.all_gather_single(shard if wire is None else shard.to(wire), 0, dist.group.WORLD)
+                        full = compat.all_gather_single(
+                            shard if wire is None else shard.to(wire), 0, dist.group.WORLD
+                        )
                         x = x + torch.sin(full.float()).sum()
                         grad = torch.empty_like(shard)
                         rs(state, torch.cos(full.float() * x), grad)
@@ -205,4 +222,7 @@ def random_case(rng: random.Random) -> Case:
 
 
 def random_options(rng: random.Random) -> dict[str, float]:
-    return {"bucket_cap_mb": rng.choice([None, 25.0, 1e-4, 5e-4]), "first_bucket_cap_mb": rng.choice([1.0, 1e-4])}
+    return {
+        "bucket_cap_mb": rng.choice([None, 25.0, 1e-4, 5e-4]),
+        "first_bucket_cap_mb": rng.choice([1.0, 1e-4]),
+    }

@@ -14,7 +14,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,14 +28,24 @@ class RankError(RuntimeError):
 
 @dataclasses.dataclass
 class Outcome:
-    status: str  # "ok", "error" (raised), "died" (no report, non-zero exit), "hung" (no report in time)
+    status: (
+        str  # "ok", "error" (raised), "died" (no report, non-zero exit), "hung" (no report in time)
+    )
     result: Any = None  # what fn returned, or the error text
-    seconds: Optional[float] = None  # from start to report
-    exitcode: Optional[int] = None  # None while the process still ran when it was killed
+    seconds: float | None = None  # from start to report
+    exitcode: int | None = None  # None while the process still ran when it was killed
 
 
-def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: tuple, backend: str,
-           teardown: bool) -> None:
+def _entry(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    store_path: str,
+    q,
+    args: tuple,
+    backend: str,
+    teardown: bool,
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     reported = False
@@ -55,8 +66,15 @@ def _entry(fn: Callable, rank: int, world_size: int, store_path: str, q, args: t
 
 
 # What the rank processes' server imports once: every rank forks from it with these loaded.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "compiled_hooks", "passes",
-            "tests.ranks"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "compiled_hooks",
+    "passes",
+    "tests.ranks",
+]
 
 
 def context() -> Any:
@@ -68,8 +86,14 @@ def context() -> Any:
     return ctx
 
 
-def rank_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-                  backend: str = "gloo", teardown: bool = True) -> list[Outcome]:
+def rank_outcomes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+    teardown: bool = True,
+) -> list[Outcome]:
     """Run ``fn(rank, world_size, *args)`` on every rank; what happened to each.
     ``teardown=False`` leaves out the final barrier, for groups a test leaves broken."""
     ctx = context()
@@ -78,7 +102,11 @@ def rank_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, store_path, q, args, backend, teardown), daemon=True)
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world_size, store_path, q, args, backend, teardown),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         start = time.monotonic()
@@ -94,9 +122,15 @@ def rank_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
                             outcomes[r] = Outcome("died", seconds=time.monotonic() - start)
                     if time.monotonic() - start > timeout:
                         for r in range(world_size):
-                            outcomes.setdefault(r, Outcome("hung", seconds=time.monotonic() - start))
+                            outcomes.setdefault(
+                                r, Outcome("hung", seconds=time.monotonic() - start)
+                            )
                     continue
-                result = torch.load(io.BytesIO(payload), weights_only=False) if status == "ok" else payload
+                result = (
+                    torch.load(io.BytesIO(payload), weights_only=False)
+                    if status == "ok"
+                    else payload
+                )
                 outcomes[rank] = Outcome(status, result, time.monotonic() - start)
         finally:
             for r, p in enumerate(procs):
@@ -109,17 +143,29 @@ def rank_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     return [outcomes[r] for r in range(world_size)]
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process."""
     outcomes = rank_outcomes(fn, world_size, *args, timeout=timeout, backend=backend)
-    died = [f"rank {r} exit code {o.exitcode}" for r, o in enumerate(outcomes) if o.status == "died"]
+    died = [
+        f"rank {r} exit code {o.exitcode}" for r, o in enumerate(outcomes) if o.status == "died"
+    ]
     if died:
         raise RankError(f"{fn.__name__}: rank(s) died without reporting ({', '.join(died)})")
     hung = [r for r, o in enumerate(outcomes) if o.status == "hung"]
     if hung:
-        raise RankError(f"{fn.__name__}: {len(hung)} rank(s) gave no answer within {timeout}s (hang)")
+        raise RankError(
+            f"{fn.__name__}: {len(hung)} rank(s) gave no answer within {timeout}s (hang)"
+        )
     errors = {r: o.result for r, o in enumerate(outcomes) if o.status == "error"}
     if errors:
-        raise RankError(f"{fn.__name__} failed:\n" + "\n".join(f"rank {r}: {m}" for r, m in sorted(errors.items())))
+        raise RankError(
+            f"{fn.__name__} failed:\n"
+            + "\n".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
+        )
     return [o.result for o in outcomes]

@@ -27,18 +27,24 @@ def test_says_why_it_cannot_shape(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert launch.link_problem() == "network namespaces need root"
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(launch.shutil, "which", lambda tool: None if tool == "tc" else f"/sbin/{tool}")
+    monkeypatch.setattr(
+        launch.shutil, "which", lambda tool: None if tool == "tc" else f"/sbin/{tool}"
+    )
     assert launch.link_problem() == "tc not found"
 
 
 def test_a_link_that_cannot_be_made_is_reported_not_run(monkeypatch):
     def fail(*_):
-        raise launch.subprocess.CalledProcessError(2, ["ip", "netns", "add", "x"], stderr="Operation not permitted\n")
+        raise launch.subprocess.CalledProcessError(
+            2, ["ip", "netns", "add", "x"], stderr="Operation not permitted\n"
+        )
 
     cleaned = []
     monkeypatch.setattr(launch, "_make_link", fail)
     monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **_: cleaned.append(cmd))
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(
+        launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a rank was started")
+    )
     with pytest.raises(launch.LinkUnavailable, match="ip netns add x: Operation not permitted"):
         launch.run_on_link("2gbit", ["true"])
     assert [c[:3] for c in cleaned] == [["ip", "netns", "del"]] * 2  # whatever was made is removed

@@ -7,12 +7,19 @@ data_parallel's own partitioned graphs."""
 import pytest
 import torch
 import torch.distributed as dist
-from compiled_hooks.compat import all_gather_single, reduce_scatter_single
 
+from compiled_hooks.compat import all_gather_single, reduce_scatter_single
 from compiled_hooks.fsdp.gather import BLOCK
-from passes import (all_gather_as_all_to_all, bucket_block_all_gathers, bucket_block_reduce_scatters,
-                    prefetch_block_all_gathers, reduce_scatter_as_all_to_all, schedule_collectives)
-from passes._graph import ALL_GATHER, ALL_TO_ALL as passes_ALL_TO_ALL, REDUCE_SCATTER
+from passes import (
+    all_gather_as_all_to_all,
+    bucket_block_all_gathers,
+    bucket_block_reduce_scatters,
+    prefetch_block_all_gathers,
+    reduce_scatter_as_all_to_all,
+    schedule_collectives,
+)
+from passes._graph import ALL_GATHER, REDUCE_SCATTER
+from passes._graph import ALL_TO_ALL as passes_ALL_TO_ALL
 from passes.testing import gathered_bytes_alive, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
@@ -42,20 +49,27 @@ def gather_fn(a, b, c):
 
 def gather_graph(blocks=("0", "0", "1")):
     _ = trace(lambda: None, world_size=2)
-    return mark(trace(gather_fn, torch.randn(2, 4), torch.randn(2), torch.randn(3), world_size=2), blocks)
+    return mark(
+        trace(gather_fn, torch.randn(2, 4), torch.randn(2), torch.randn(3), world_size=2), blocks
+    )
 
 
 def reduce_fn(g1, g2, g3):
-    """Three gradients through the bf16 hook's chain (pre-divide, cast, reduce-scatter, cast back)."""
+    """Three gradients through the bf16 hook's chain: pre-divide, cast, reduce-scatter, cast
+    back."""
     g = dist.group.WORLD
-    outs = [reduce_scatter_single((x / 2).to(torch.bfloat16).reshape(-1), "sum", 0, g).to(torch.float32)
-            for x in (torch.sin(g1), torch.sin(g2), torch.sin(g3))]
+    outs = [
+        reduce_scatter_single((x / 2).to(torch.bfloat16).reshape(-1), "sum", 0, g).to(torch.float32)
+        for x in (torch.sin(g1), torch.sin(g2), torch.sin(g3))
+    ]
     return [o + 1 for o in outs]
 
 
 def reduce_graph(blocks=("0", "0", "1")):
     _ = trace(lambda: None, world_size=2)
-    return mark(trace(reduce_fn, torch.randn(4, 3), torch.randn(6), torch.randn(2, 2), world_size=2), blocks)
+    return mark(
+        trace(reduce_fn, torch.randn(4, 3), torch.randn(6), torch.randn(2, 2), world_size=2), blocks
+    )
 
 
 class TestBucketBlockAllGathers(PassTestCase):
@@ -64,7 +78,9 @@ class TestBucketBlockAllGathers(PassTestCase):
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, bucket_block_all_gathers)
         self.assertTrue(all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function"))
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[2, 4] = input
 b_1: f32[2] = input
 c_1: f32[3] = input
@@ -89,7 +105,8 @@ all_gather_into_tensor_2: bf16[6] = c10d.all_gather_into_tensor(convert_element_
 wait_tensor_2: bf16[6] = c10d.wait_tensor(all_gather_into_tensor_2)
 sum_2: bf16[] = aten.sum(mul)
 mul_1: bf16[6] = aten.mul(sum_2, wait_tensor_2)
-return mul_1""")
+return mul_1""",
+        )
         self.assertTrue(check_rewrite("bucket_block_all_gathers", before, gm.graph))
 
     def test_unmarked_all_gathers_are_not_ours(self):
@@ -115,7 +132,9 @@ class TestBucketBlockReduceScatters(PassTestCase):
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, bucket_block_reduce_scatters)
         self.assertTrue(all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function"))
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 g1_1: f32[4, 3] = input
 g2_1: f32[6] = input
 g3_1: f32[2, 2] = input
@@ -148,16 +167,22 @@ convert_element_type_3: f32[3] = prims.convert_element_type(getitem_1, f32)
 add: f32[6] = aten.add(convert_element_type_1, 1)
 add_1: f32[3] = aten.add(convert_element_type_3, 1)
 add_2: f32[2] = aten.add(convert_element_type_5, 1)
-return [add, add_1, add_2]""")
+return [add, add_1, add_2]""",
+        )
         self.assertTrue(check_rewrite("bucket_block_reduce_scatters", before, gm.graph))
 
     def test_non_constant_factor_is_left_alone(self):
         def fn(g1, g2, k):
             g = dist.group.WORLD
-            return [reduce_scatter_single((x / k).reshape(-1), "sum", 0, g) for x in (torch.sin(g1), torch.sin(g2))]
+            return [
+                reduce_scatter_single((x / k).reshape(-1), "sum", 0, g)
+                for x in (torch.sin(g1), torch.sin(g2))
+            ]
 
         _ = trace(lambda: None, world_size=2)
-        gm = mark(trace(fn, torch.randn(4), torch.randn(2), torch.randn(()), world_size=2), ["0", "0"])
+        gm = mark(
+            trace(fn, torch.randn(4), torch.randn(2), torch.randn(()), world_size=2), ["0", "0"]
+        )
         self.assertUntouched(gm, bucket_block_reduce_scatters, "non-constant factor")
 
     def test_block_of_one_member_is_waited_after_the_next_blocks_gradient(self):
@@ -165,6 +190,7 @@ return [add, add_1, add_2]""")
         right away: the use moves to the outputs as a bucket's would, so schedule_collectives
         waits for it after the next block's gradient, not before (which would hold back every
         later collective in Inductor's schedule)."""
+
         def fn(g1, g2):
             g = dist.group.WORLD
             first = reduce_scatter_single(torch.sin(g1), "sum", 0, g) + 1
@@ -193,7 +219,10 @@ def chain_fn(a, b, c):
 class TestPrefetchBlockAllGathers(PassTestCase):
     def graph(self):
         _ = trace(lambda: None, world_size=2)
-        gm = mark(trace(chain_fn, torch.randn(4), torch.randn(4), torch.randn(4), world_size=2), ["a", "b", "c"])
+        gm = mark(
+            trace(chain_fn, torch.randn(4), torch.randn(4), torch.randn(4), world_size=2),
+            ["a", "b", "c"],
+        )
         schedule_collectives(gm.graph)  # what the pipeline runs first: waits at their uses
         return gm
 
@@ -202,7 +231,9 @@ class TestPrefetchBlockAllGathers(PassTestCase):
         before = copy_graph(gm.graph)
         peak = max(gathered_bytes_alive(gm.graph))
         self.assertRewrites(gm, prefetch_block_all_gathers)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[4] = input
 b_1: f32[4] = input
 c_1: f32[4] = input
@@ -217,16 +248,28 @@ sin_1: f32[8] = aten.sin(mul)
 wait_tensor_2: f32[8] = c10d.wait_tensor(all_gather_into_tensor_2)
 mul_1: f32[8] = aten.mul(sin_1, wait_tensor_2)
 sin_2: f32[8] = aten.sin(mul_1)
-return sin_2""")
+return sin_2""",
+        )
         self.assertLess(max(gathered_bytes_alive(gm.graph)), peak)
         self.assertTrue(check_rewrite("prefetch_block_all_gathers", before, gm.graph))
 
     def test_depth_two_sends_all_three_before_the_first_wait(self):
         gm = self.graph()  # three blocks: while the first computes, the other two are in flight
         self.assertFalse(prefetch_block_all_gathers(gm.graph, prefetch_depth=2))
-        order = [n.name for n in gm.graph.nodes if n.op == "call_function" and "c10d" in str(n.target)]
-        self.assertEqual(order, ["all_gather_into_tensor", "all_gather_into_tensor_1", "all_gather_into_tensor_2",
-                                 "wait_tensor", "wait_tensor_1", "wait_tensor_2"])
+        order = [
+            n.name for n in gm.graph.nodes if n.op == "call_function" and "c10d" in str(n.target)
+        ]
+        self.assertEqual(
+            order,
+            [
+                "all_gather_into_tensor",
+                "all_gather_into_tensor_1",
+                "all_gather_into_tensor_2",
+                "wait_tensor",
+                "wait_tensor_1",
+                "wait_tensor_2",
+            ],
+        )
 
     def test_bad_depth(self):
         with pytest.raises(ValueError, match="prefetch_depth must be an int >= 1"):
@@ -247,16 +290,27 @@ def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
     fake_process_group(4)
     model = data_parallel(Net(), init_device_mesh("cpu", (4,)), mp_policy=BF16)
     tokens = torch.randint(0, VOCAB, (4, 6))
-    graphs = dict(partitioned_graphs(lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward()))
+    graphs = dict(
+        partitioned_graphs(
+            lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward()
+        )
+    )
     counts = {}
     for kind, gm in graphs.items():
         before = copy_graph(gm.graph)
-        for graph_pass in (passes.fold_collective_scaling, bucket_block_all_gathers, bucket_block_reduce_scatters,
-                           schedule_collectives, prefetch_block_all_gathers):
+        for graph_pass in (
+            passes.fold_collective_scaling,
+            bucket_block_all_gathers,
+            bucket_block_reduce_scatters,
+            schedule_collectives,
+            prefetch_block_all_gathers,
+        ):
             graph_pass(gm.graph)
         gm.graph.lint()
         assert check_rewrite(kind, before, gm.graph)
-        counts[kind] = [sum(n.target is op for n in gm.graph.nodes) for op in (ALL_GATHER, REDUCE_SCATTER)]
+        counts[kind] = [
+            sum(n.target is op for n in gm.graph.nodes) for op in (ALL_GATHER, REDUCE_SCATTER)
+        ]
         rows = lambda r: -(-r // 4) * 4  # noqa: E731 - padded rows
         root = rows(VOCAB) * DIM * 2
         block = (rows(HIDDEN) * (DIM + 1) + rows(DIM) * (HIDDEN + 1)) * 2
@@ -267,14 +321,21 @@ def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
 class TestReduceScatterAsAllToAll(PassTestCase):
     def graph(self, op="avg"):
         _ = trace(lambda: None, world_size=2)
-        return trace(lambda x: reduce_scatter_single(x.to(torch.bfloat16), op, 0, dist.group.WORLD).float() + 1,
-                     torch.randn(4, 3), world_size=2)
+        return trace(
+            lambda x: (
+                reduce_scatter_single(x.to(torch.bfloat16), op, 0, dist.group.WORLD).float() + 1
+            ),
+            torch.randn(4, 3),
+            world_size=2,
+        )
 
     def test_all_to_all_and_a_sum_in_fp32(self):
         gm = self.graph()
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, reduce_scatter_as_all_to_all, reduce_scatter_backends={"fake"})
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 x_1: f32[4, 3] = input
 convert_element_type: bf16[4, 3] = prims.convert_element_type(x_1, bf16)
 all_to_all_single_default: bf16[4, 3] = c10d.all_to_all_single(convert_element_type, [2, 2], [2, 2], group(size=2))
@@ -285,21 +346,33 @@ div_tensor: f32[2, 3] = aten.div(sum_dim_int_list, 2)
 convert_element_type_default: bf16[2, 3] = prims.convert_element_type(div_tensor, bf16)
 convert_element_type_1: f32[2, 3] = prims.convert_element_type(convert_element_type_default, f32)
 add: f32[2, 3] = aten.add(convert_element_type_1, 1)
-return add""")
+return add""",
+        )
         self.assertTrue(check_rewrite("reduce_scatter_as_all_to_all", before, gm.graph))
 
     def test_other_backends_and_ops_are_left_alone(self):
         self.assertUntouched(self.graph(), reduce_scatter_as_all_to_all, "backend fake")
-        self.assertUntouched(self.graph("max"), reduce_scatter_as_all_to_all, "reduce op max",
-                             reduce_scatter_backends={"fake"})
+        self.assertUntouched(
+            self.graph("max"),
+            reduce_scatter_as_all_to_all,
+            "reduce op max",
+            reduce_scatter_backends={"fake"},
+        )
 
     def test_in_pieces_each_summed_after_its_wait(self):
         """Two rows of 3 bf16 per destination, at most 6 bytes a piece: one all_to_all per row
         of every rank's block, each summed in fp32 right after its wait, the sums joined."""
         gm = self.graph()
         before = copy_graph(gm.graph)
-        self.assertRewrites(gm, reduce_scatter_as_all_to_all, reduce_scatter_backends={"fake"}, all_to_all_chunk_bytes=6)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertRewrites(
+            gm,
+            reduce_scatter_as_all_to_all,
+            reduce_scatter_backends={"fake"},
+            all_to_all_chunk_bytes=6,
+        )
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 x_1: f32[4, 3] = input
 convert_element_type: bf16[4, 3] = prims.convert_element_type(x_1, bf16)
 view_default: bf16[2, 2, 3] = aten.view(convert_element_type, [2, 2, 3])
@@ -322,7 +395,8 @@ div_tensor: f32[2, 3] = aten.div(cat_default, 2)
 convert_element_type_default: bf16[2, 3] = prims.convert_element_type(div_tensor, bf16)
 convert_element_type_1: f32[2, 3] = prims.convert_element_type(convert_element_type_default, f32)
 add: f32[2, 3] = aten.add(convert_element_type_1, 1)
-return add""")
+return add""",
+        )
         self.assertTrue(check_rewrite("reduce_scatter_as_all_to_all", before, gm.graph))
 
 
@@ -331,10 +405,16 @@ class TestAllGatherAsAllToAllInPieces(PassTestCase):
         """Three rows of 2 floats, at most 8 bytes a piece: three all_to_alls of N copies of one
         row each, waited for where the all_gather's wait was, joined back rank-major."""
         _ = trace(lambda: None, world_size=2)
-        gm = trace(lambda x: all_gather_single(x, 0, dist.group.WORLD) * 2, torch.randn(3, 2), world_size=2)
+        gm = trace(
+            lambda x: all_gather_single(x, 0, dist.group.WORLD) * 2, torch.randn(3, 2), world_size=2
+        )
         before = copy_graph(gm.graph)
-        self.assertRewrites(gm, all_gather_as_all_to_all, all_gather_backends={"fake"}, all_to_all_chunk_bytes=8)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertRewrites(
+            gm, all_gather_as_all_to_all, all_gather_backends={"fake"}, all_to_all_chunk_bytes=8
+        )
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 x_1: f32[3, 2] = input
 slice_tensor: f32[1, 2] = aten.slice(x_1, 0, 0, 1)
 cat_default: f32[2, 2] = aten.cat([slice_tensor, slice_tensor])
@@ -354,11 +434,14 @@ view_default_2: f32[2, 1, 2] = aten.view(wait_tensor_default_2, [2, 1, 2])
 cat_default_3: f32[2, 3, 2] = aten.cat([view_default, view_default_1, view_default_2], 1)
 view_default_3: f32[6, 2] = aten.view(cat_default_3, [6, 2])
 mul: f32[6, 2] = aten.mul(view_default_3, 2)
-return mul""")
+return mul""",
+        )
         self.assertTrue(check_rewrite("all_gather_as_all_to_all", before, gm.graph))
 
     def test_chunk_size_must_be_positive(self):
-        with self.assertRaisesRegex(ValueError, "all_gather_as_all_to_all: all_to_all_chunk_bytes must be a positive"):
+        with self.assertRaisesRegex(
+            ValueError, "all_gather_as_all_to_all: all_to_all_chunk_bytes must be a positive"
+        ):
             all_gather_as_all_to_all(gather_graph().graph, all_to_all_chunk_bytes=0)
 
 
@@ -376,8 +459,10 @@ def pieces_worker(rank, world_size):
     a, b = torch.randn(1000, 3, generator=gen), torch.randn(2000, 3, generator=gen)
     gm = trace(fn, a, b, world_size=None)
     expected = gm(a, b)
-    changed = [all_gather_as_all_to_all(gm.graph, all_to_all_chunk_bytes=1000),
-               reduce_scatter_as_all_to_all(gm.graph, all_to_all_chunk_bytes=1000)]
+    changed = [
+        all_gather_as_all_to_all(gm.graph, all_to_all_chunk_bytes=1000),
+        reduce_scatter_as_all_to_all(gm.graph, all_to_all_chunk_bytes=1000),
+    ]
     gm.recompile()
     pieces = sum(n.target is passes_ALL_TO_ALL for n in gm.graph.nodes)
     got = [gm(a, b) for _ in range(3)]

@@ -11,7 +11,13 @@ from passes.testing import trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 
-SHAPES = [(32, 16), (32,), (32, 32), (4, 32), (64, 8, 3)]  # (4, 32) and the bias do not compress at rank 2
+SHAPES = [
+    (32, 16),
+    (32,),
+    (32, 32),
+    (4, 32),
+    (64, 8, 3),
+]  # (4, 32) and the bias do not compress at rank 2
 
 
 def powersgd_graph(shapes=SHAPES, rank=2, world_size=2):
@@ -27,7 +33,7 @@ def powersgd_graph(shapes=SHAPES, rank=2, world_size=2):
     slots = [s for s in state._slots.values() if s.compress]
 
     def step(*tensors):  # gradients, then each compressed slot's error and Q (traced as inputs)
-        grads, rest = tensors[:len(params)], tensors[len(params):]
+        grads, rest = tensors[: len(params)], tensors[len(params) :]
         for s, error, q in zip(slots, rest[0::2], rest[1::2]):
             s.error, s.q = error, q
         for g, p in zip(grads, params):
@@ -47,15 +53,24 @@ class TestBucketLowRankFactors(PassTestCase):
     def test_one_all_reduce_per_round(self):
         gm = powersgd_graph()
         before = copy_graph(gm.graph)
-        self.assertEqual(len(all_reduces(gm)), 8)  # 3 compressed gradients x (P, Q) + 2 uncompressed
+        self.assertEqual(
+            len(all_reduces(gm)), 8
+        )  # 3 compressed gradients x (P, Q) + 2 uncompressed
         self.assertRewrites(gm, bucket_low_rank_factors)
         # In the order of their last inputs: the uncompressed bucket (averaged: the division
-        # folded; 32 + 4x32 elements), P (summed; 32x2 + 32x2 + 64x2), Q (averaged; 16x2 + 32x2 + 24x2)
-        self.assertEqual([(n.args[1], n.meta["val"].numel()) for n in all_reduces(gm)],
-                         [("avg", 160), ("sum", 256), ("avg", 144)])
+        # folded; 32 + 4x32 elements), P (summed; 32x2 + 32x2 + 64x2), Q (averaged; 16x2 + 32x2 +
+        # 24x2)
+        self.assertEqual(
+            [(n.args[1], n.meta["val"].numel()) for n in all_reduces(gm)],
+            [("avg", 160), ("sum", 256), ("avg", 144)],
+        )
         self.assertTrue(check_rewrite("bucket_low_rank_factors", before, gm.graph))
-        self.assertEqual(counters["passes"]["bucket_low_rank_factors: bucketed 3 factor all_reduces into one"], 2)
-        self.assertEqual(counters["passes"]["bucket_low_rank_factors: bucketed 2 factor all_reduces into one"], 1)
+        self.assertEqual(
+            counters["passes"]["bucket_low_rank_factors: bucketed 3 factor all_reduces into one"], 2
+        )
+        self.assertEqual(
+            counters["passes"]["bucket_low_rank_factors: bucketed 2 factor all_reduces into one"], 1
+        )
 
     def test_cap_splits_a_round(self):
         gm = powersgd_graph()

@@ -5,9 +5,9 @@ clear error."""
 import ast
 import pathlib
 import re
-import tomllib
 
 import pytest
+import tomllib
 import torch
 
 from compiled_hooks import compat
@@ -24,7 +24,10 @@ def test_every_name_resolves_on_this_torch():
         module, attr = names[name].rsplit(".", 1)
         assert module == "torch.distributed._functional_collectives"
         assert callable(getattr(torch.distributed._functional_collectives, attr)), name
-    assert names["fsdp_param_groups"] in ("FSDPState._fsdp_param_groups", "FSDPState._fsdp_param_group")
+    assert names["fsdp_param_groups"] in (
+        "FSDPState._fsdp_param_groups",
+        "FSDPState._fsdp_param_group",
+    )
 
 
 def owned_reads(source: str) -> list[str]:
@@ -38,7 +41,11 @@ def owned_reads(source: str) -> list[str]:
             if not (isinstance(node.value, ast.Name) and node.value.id == "compat"):
                 found.append(f"{node.lineno}: .{node.attr}")
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+            )
             names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
             for module in modules:
                 if module.startswith("torch") and owned & {*module.split("."), *names}:
@@ -47,21 +54,27 @@ def owned_reads(source: str) -> list[str]:
 
 
 def test_only_compat_reads_the_internals_it_owns():
-    sources = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) if p.name != "compat.py"]
+    sources = [
+        p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) if p.name != "compat.py"
+    ]
     assert len(sources) > 30
     found = {str(p.relative_to(ROOT)): owned_reads(p.read_text()) for p in sources}
     assert {path: reads for path, reads in found.items() if reads} == {}
 
 
 def test_the_scan_finds_what_it_looks_for():
-    source = ("import torch.distributed._functional_collectives as fcol\n"
-              "from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo\n"
-              "x = fcol.all_gather_single(t, 0, g)\n"
-              "y = state._fsdp_param_groups\n"
-              "z = compat.all_gather_single(t, 0, g)  # through compat: fine\n"
-              "s = 'fcol.reduce_scatter_single'  # a string: fine\n")
-    assert owned_reads(source) == ["2: import torch.distributed.fsdp._fully_shard._fsdp_common",
-                                   "3: .all_gather_single", "4: ._fsdp_param_groups"]
+    source = (
+        "import torch.distributed._functional_collectives as fcol\nfrom "
+        "torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo\nx = "
+        "fcol.all_gather_single(t, 0, g)\ny = state._fsdp_param_groups\nz = "
+        "compat.all_gather_single(t, 0, g)  # through compat: fine\ns = "
+        "'fcol.reduce_scatter_single'  # a string: fine\n"
+    )
+    assert owned_reads(source) == [
+        "2: import torch.distributed.fsdp._fully_shard._fsdp_common",
+        "3: .all_gather_single",
+        "4: ._fsdp_param_groups",
+    ]
 
 
 def test_supported_range_matches_the_requirement():
@@ -71,8 +84,10 @@ def test_supported_range_matches_the_requirement():
 
 def test_a_missing_feature_names_itself_and_both_releases(monkeypatch):
     monkeypatch.setattr(compat, "_ALL_GATHER", None)
-    message = (f"the functional all_gather_single needs torch >=2.11,<2.16; this is torch {torch.__version__} "
-               "(compiled-hooks supports torch>=2.11,<2.16)")
+    message = (
+        "the functional all_gather_single needs torch >=2.11,<2.16; this is torch "
+        f"{torch.__version__} (compiled-hooks supports torch>=2.11,<2.16)"
+    )
     with pytest.raises(compat.UnsupportedTorch, match=re.escape(message)):
         compat.all_gather_single(torch.ones(2), 0, None)
 
@@ -102,5 +117,9 @@ def test_several_custom_passes_run_in_order_on_either_form(monkeypatch, lists):
         p(torch.fx.Graph())
     assert seen == ["a", "b"]
     if not lists:  # one CustomGraphPass: a cache key from both uuids, none if one pass has none
-        assert setting.uuid() == compat.post_pass_setting([a, b]).uuid() != compat.post_pass_setting([b, a]).uuid()
+        assert (
+            setting.uuid()
+            == compat.post_pass_setting([a, b]).uuid()
+            != compat.post_pass_setting([b, a]).uuid()
+        )
         assert compat.post_pass_setting([a, print]).uuid() is None

@@ -59,8 +59,14 @@ def compiled_worker(rank, world_size):
 
     torch.manual_seed(rank)
     n = 16 * world_size
-    inputs = [torch.randn(5, 7), torch.randn(n) * 100, torch.empty(16), torch.randn(33), torch.randn(8, 8),
-              torch.empty(16)]
+    inputs = [
+        torch.randn(5, 7),
+        torch.randn(n) * 100,
+        torch.empty(16),
+        torch.randn(33),
+        torch.randn(8, 8),
+        torch.empty(16),
+    ]
     eager_out = all_hooks(*[t.clone() for t in inputs])
     compiled = torch.compile(all_hooks, fullgraph=True)
     compiled_out = compiled(*[t.clone() for t in inputs])

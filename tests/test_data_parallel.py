@@ -61,8 +61,11 @@ def make_mesh(mode, world_size):
 def fsdp2(mesh, mode, reshard, mp):
     """The same model under FSDP2: each block, then the root (which holds the tied weight)."""
     net, mp = Net(), mp or MixedPrecisionPolicy()
-    wrap = ((lambda m: replicate(m, mesh=mesh, mp_policy=mp)) if mode == "replicate" else
-            (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)))
+    wrap = (
+        (lambda m: replicate(m, mesh=mesh, mp_policy=mp))
+        if mode == "replicate"
+        else (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp))
+    )
     for block in net.blocks:
         wrap(block)
     return wrap(net)
@@ -87,7 +90,9 @@ def train_both(rank, ref, model, run, steps=5):
         for opt_ in (opt_ref, opt):
             opt_.step()
             opt_.zero_grad()
-    param_diff = max(rel(b.full_tensor(), a.full_tensor()) for a, b in zip(ref.parameters(), model.parameters()))
+    param_diff = max(
+        rel(b.full_tensor(), a.full_tensor()) for a, b in zip(ref.parameters(), model.parameters())
+    )
     return grad_diff, param_diff
 
 
@@ -96,12 +101,16 @@ def numerics_worker(rank, world_size, mode, configs, compiled):
     out = {}
     for reshard, mp in configs:
         torch._dynamo.reset()
-        ref, model = fsdp2(mesh, mode, reshard, mp), data_parallel(Net(), mesh, mode=mode,
-                                                                    reshard_after_forward=reshard, mp_policy=mp)
+        ref, model = (
+            fsdp2(mesh, mode, reshard, mp),
+            data_parallel(Net(), mesh, mode=mode, reshard_after_forward=reshard, mp_policy=mp),
+        )
         assert len(list(model.parameters())) == len(list(ref.parameters())) == 9  # the tie is kept
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
         key = (reshard, None if mp is None else mp.param_dtype)
-        out[key] = train_both(rank, ref, model, run) + ([p.to_local().clone() for p in model.parameters()],)
+        out[key] = train_both(rank, ref, model, run) + (
+            [p.to_local().clone() for p in model.parameters()],
+        )
     return out
 
 
@@ -110,15 +119,35 @@ BOTH = [(True, None), (False, None), (True, BF16), (False, BF16)]
 RUNS = [
     pytest.param(2, "fully_shard", BOTH, False, id="2-fully_shard-eager"),
     pytest.param(2, "replicate", [(True, None), (True, BF16)], False, id="2-replicate-eager"),
-    pytest.param(2, "fully_shard", [(True, None), (False, BF16)], True, id="2-fully_shard-compiled"),
-    pytest.param(2, "fully_shard", [(False, None), (True, BF16)], True, id="2-fully_shard-compiled-b",
-                 marks=pytest.mark.slow),
-    pytest.param(2, "replicate", [(True, None), (True, BF16)], True, id="2-replicate-compiled",
-                 marks=pytest.mark.slow),
+    pytest.param(
+        2, "fully_shard", [(True, None), (False, BF16)], True, id="2-fully_shard-compiled"
+    ),
+    pytest.param(
+        2,
+        "fully_shard",
+        [(False, None), (True, BF16)],
+        True,
+        id="2-fully_shard-compiled-b",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        2,
+        "replicate",
+        [(True, None), (True, BF16)],
+        True,
+        id="2-replicate-compiled",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(4, "fully_shard", BOTH, False, id="4-fully_shard-eager", marks=pytest.mark.slow),
     pytest.param(4, "hybrid_shard", BOTH, False, id="4-hybrid_shard-eager", marks=pytest.mark.slow),
-    pytest.param(4, "hybrid_shard", [(True, None), (False, BF16)], True, id="4-hybrid_shard-compiled",
-                 marks=pytest.mark.slow),
+    pytest.param(
+        4,
+        "hybrid_shard",
+        [(True, None), (False, BF16)],
+        True,
+        id="4-hybrid_shard-compiled",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -150,37 +179,53 @@ def hooks_worker(rank, world_size, mode):
     model = data_parallel(Net(), mesh, mode=mode)
     state = ch.LowPrecisionState(shard_group)
     register_comm_hook(model, state, ch.bf16_compress_hook)
-    out["registered"] = get_comm_hook(model) == (ch.bf16_compress_hook, state) == get_comm_hook(model.blocks[0])
+    out["registered"] = (
+        get_comm_hook(model) == (ch.bf16_compress_hook, state) == get_comm_hook(model.blocks[0])
+    )
     out["bf16"] = train_both(rank, ref, model, model)
     # a hook that sums instead of averaging is visible in the gradients
     ref = fsdp2(mesh, mode, True, None)
     model = data_parallel(Net(), mesh, mode=mode)
 
     def summing_hook(state, grad, output=None):
-        ch.allreduce_hook(state, grad) if output is None else ch.reduce_scatter_hook(state, grad, output)
+        ch.allreduce_hook(state, grad) if output is None else ch.reduce_scatter_hook(
+            state, grad, output
+        )
         (grad if output is None else output).mul_(state.world_size)
+
     register_comm_hook(model, ch.DefaultState(shard_group), summing_hook)
     out["sum"] = train_both(rank, ref, model, model, steps=1)[0]
     # registration rules
     model = data_parallel(Net(), mesh, mode=mode)
     plain = ch.allreduce_hook if replicated else ch.reduce_scatter_hook
-    out["non-root"] = _raises(lambda: register_comm_hook(model.blocks[0], ch.DefaultState(shard_group), plain))
+    out["non-root"] = _raises(
+        lambda: register_comm_hook(model.blocks[0], ch.DefaultState(shard_group), plain)
+    )
     register_comm_hook(model, ch.DefaultState(shard_group), plain)
     out["twice"] = _raises(lambda: register_comm_hook(model, ch.DefaultState(shard_group), plain))
     model = data_parallel(Net(), mesh, mode=mode)
     model(torch.zeros(1, 1, dtype=torch.long))
-    out["after forward"] = _raises(lambda: register_comm_hook(model, ch.DefaultState(shard_group), plain))
-    model = data_parallel(Net(), mesh, mode=mode, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    out["after forward"] = _raises(
+        lambda: register_comm_hook(model, ch.DefaultState(shard_group), plain)
+    )
+    model = data_parallel(
+        Net(), mesh, mode=mode, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    )
     out["hook and reduce_dtype"] = _raises(
-        lambda: register_comm_hook(model, ch.LowPrecisionState(shard_group), ch.bf16_compress_hook))
+        lambda: register_comm_hook(model, ch.LowPrecisionState(shard_group), ch.bf16_compress_hook)
+    )
     model = data_parallel(Net(), mesh, mode=mode)
-    out["wrong group"] = _raises(lambda: register_comm_hook(
-        model, ch.DefaultState(dist.new_group([rank])), plain))
+    out["wrong group"] = _raises(
+        lambda: register_comm_hook(model, ch.DefaultState(dist.new_group([rank])), plain)
+    )
     return out
 
 
-HOOK_RUNS = [pytest.param(2, "fully_shard", id="2-fully_shard"), pytest.param(2, "replicate", id="2-replicate"),
-             pytest.param(4, "hybrid_shard", id="4-hybrid_shard", marks=pytest.mark.slow)]
+HOOK_RUNS = [
+    pytest.param(2, "fully_shard", id="2-fully_shard"),
+    pytest.param(2, "replicate", id="2-replicate"),
+    pytest.param(4, "hybrid_shard", id="4-hybrid_shard", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("world_size,mode", HOOK_RUNS)
@@ -191,9 +236,18 @@ def test_comm_hooks(world_size, mode):
         assert out["sum"] > 0.5, (rank, out["sum"])  # a hook that does not average is caught
         assert out["non-root"] == (AssertionError, ROOT_ONLY)
         assert out["twice"] == (AssertionError, ALREADY)
-        assert out["after forward"][0] is RuntimeError and "before the first forward" in out["after forward"][1]
-        assert out["hook and reduce_dtype"][0] is ValueError and "leave reduce_dtype unset" in out["hook and reduce_dtype"][1]
-        assert out["wrong group"][0] is ValueError and "the state's group has 1 ranks" in out["wrong group"][1]
+        assert (
+            out["after forward"][0] is RuntimeError
+            and "before the first forward" in out["after forward"][1]
+        )
+        assert (
+            out["hook and reduce_dtype"][0] is ValueError
+            and "leave reduce_dtype unset" in out["hook and reduce_dtype"][1]
+        )
+        assert (
+            out["wrong group"][0] is ValueError
+            and "the state's group has 1 ranks" in out["wrong group"][1]
+        )
 
 
 # --- checkpoint and grad scaler ---------------------------------------------------------------
@@ -227,7 +281,10 @@ def checkpoint_worker(rank, world_size, path):
     ropt.load_state_dict(state["optim"])
     for tokens in batches[3:]:
         run(resumed, ropt, tokens)
-    return all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), resumed.parameters()))
+    return all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), resumed.parameters())
+    )
 
 
 def test_checkpoint_resume_is_bitwise():
@@ -239,7 +296,7 @@ def scaler_worker(rank, world_size):
     mesh = make_mesh("fully_shard", world_size)
     model = data_parallel(Net(), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = ch.ShardedGradScaler(device="cpu", init_scale=2.0 ** 10)
+    scaler = ch.ShardedGradScaler(device="cpu", init_scale=2.0**10)
     tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(rank))
     out = []
     for step in range(2):
@@ -257,7 +314,7 @@ def scaler_worker(rank, world_size):
 
 def test_grad_scaler_skips_on_every_rank():
     for out in run_ranks(scaler_worker, 2):
-        assert out == [(False, 2.0 ** 9), (True, 2.0 ** 9)]
+        assert out == [(False, 2.0**9), (True, 2.0**9)]
 
 
 # --- the compiled graphs (fake process group of 4 ranks, one process) -------------------------
@@ -273,18 +330,31 @@ def _ops(gm, op):
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 def test_one_graph_and_what_the_backward_keeps(reshard):
     fake_process_group(4)
-    model = data_parallel(Net(), init_device_mesh("cpu", (4,)), reshard_after_forward=reshard, mp_policy=BF16)
+    model = data_parallel(
+        Net(), init_device_mesh("cpu", (4,)), reshard_after_forward=reshard, mp_policy=BF16
+    )
     tokens = torch.randint(0, VOCAB, (4, 6))
-    graphs = partitioned_graphs(lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward())
+    graphs = partitioned_graphs(
+        lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward()
+    )
     assert [kind for kind, _ in graphs] == ["forward", "backward"]  # no graph break
     (_, fw), (_, bw) = graphs
     params = 9  # the tied embedding / output weight is one parameter: gathered once, reduced once
     assert len(_ops(fw, GATHER)) == params and len(_ops(bw, REDUCE_SCATTER)) == params
-    assert all(n.args[0].meta["val"].dtype == torch.bfloat16 for n in _ops(fw, GATHER))  # cast, then gather
+    assert all(
+        n.args[0].meta["val"].dtype == torch.bfloat16 for n in _ops(fw, GATHER)
+    )  # cast, then gather
     fw_alive, bw_alive = gathered_bytes_alive(fw.graph), gathered_bytes_alive(bw.graph)
-    padded = {name: -(-rows // 4) * 4 * cols * 2 for name, rows, cols in
-              [("emb", VOCAB, DIM), ("up.weight", HIDDEN, DIM), ("up.bias", HIDDEN, 1),
-               ("down.weight", DIM, HIDDEN), ("down.bias", DIM, 1)]}
+    padded = {
+        name: -(-rows // 4) * 4 * cols * 2
+        for name, rows, cols in [
+            ("emb", VOCAB, DIM),
+            ("up.weight", HIDDEN, DIM),
+            ("up.bias", HIDDEN, 1),
+            ("down.weight", DIM, HIDDEN),
+            ("down.bias", DIM, 1),
+        ]
+    }
     root, block = padded["emb"], sum(v for k, v in padded.items() if k != "emb")
     if reshard:
         assert fw_alive[-1] == 0  # no gathered parameter is saved for backward ...
@@ -292,7 +362,9 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
         assert max(fw_alive) <= root + 2 * block and max(bw_alive) <= root + 2 * block
     else:
         assert len(_ops(bw, GATHER)) == 0
-        assert fw_alive[-1] >= root + 2 * (padded["up.weight"] + padded["down.weight"])  # the matmuls' weights
+        assert fw_alive[-1] >= root + 2 * (
+            padded["up.weight"] + padded["down.weight"]
+        )  # the matmuls' weights
 
 
 # --- Inductor with the passes: one collective per block, in the generated code ---------------
@@ -316,11 +388,18 @@ def inductor_worker(rank, world_size, reshard):
         model.zero_grad()
         diffs = train_both(rank, ref, model, run)
     forward, backward = codes
-    count = lambda op, code: len(re.findall(rf"_c10d_functional\.{op}\.default\(", code))  # noqa: E731
+
+    def count(op, code):
+        return len(re.findall(rf"_c10d_functional\.{op}\.default\(", code))
+
     # gloo: all-gathers and reduce-scatters go out as all_to_all_single (all_gather_as_all_to_all,
     # reduce_scatter_as_all_to_all)
-    return diffs, [count("all_to_all_single", forward), count("all_to_all_single", backward),
-                   count("reduce_scatter_tensor", forward + backward), count("all_gather_into_tensor", forward + backward)]
+    return diffs, [
+        count("all_to_all_single", forward),
+        count("all_to_all_single", backward),
+        count("reduce_scatter_tensor", forward + backward),
+        count("all_gather_into_tensor", forward + backward),
+    ]
 
 
 @pytest.mark.slow

@@ -19,13 +19,20 @@ def assert_within_rounding(g, ref, wire, msg):
     mean, abs_mean = ref
     bound = 2 * EPS[wire] * (abs_mean + mean.abs()) + 1e-12
     err = (g - mean).abs()
-    assert (err <= bound).all(), f"{msg}: max error {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+    assert (err <= bound).all(), (
+        f"{msg}: max error {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+    )
 
 
 def _net():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )
 
 
 def _batch(rank, step):
@@ -55,9 +62,12 @@ def eager_worker(rank, world_size, mode):
     if mode == "python_reducer":
         torch._dynamo.config.optimize_ddp = "python_reducer"
     out = {}
-    for name, state_cls, hook in [("none", None, None), ("allreduce", ch.DefaultState, ch.allreduce_hook),
-                                  ("bf16", ch.LowPrecisionState, ch.bf16_compress_hook),
-                                  ("fp16", ch.LowPrecisionState, ch.fp16_compress_hook)]:
+    for name, state_cls, hook in [
+        ("none", None, None),
+        ("allreduce", ch.DefaultState, ch.allreduce_hook),
+        ("bf16", ch.LowPrecisionState, ch.bf16_compress_hook),
+        ("fp16", ch.LowPrecisionState, ch.fp16_compress_hook),
+    ]:
         net = _net()
         ddp = DDP(net, bucket_cap_mb=0.001)  # several buckets
         if hook is not None:
@@ -76,7 +86,9 @@ def test_eager_ddp(mode):
         for rank, out in enumerate(ranks):
             grads, ref = out[name]
             for i, (g, r) in enumerate(zip(grads, ref)):
-                assert torch.equal(g, ranks[0][name][0][i]), f"{name}: rank {rank} differs from rank 0"
+                assert torch.equal(g, ranks[0][name][0][i]), (
+                    f"{name}: rank {rank} differs from rank 0"
+                )
                 if name in ("none", "allreduce"):
                     torch.testing.assert_close(g, r[0], rtol=1e-6, atol=1e-7)
                 else:

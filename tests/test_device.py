@@ -29,11 +29,17 @@ from tests.ranks import run_ranks
 pytestmark = pytest.mark.slow  # full Inductor compiles on every rank
 
 DEVICE = os.environ.get("COMPILED_HOOKS_TEST_DEVICE", "cpu")
-RANKS = ([pytest.param("nccl", 1, id="nccl-1"), pytest.param("gloo", 2, id="gloo-2")] if DEVICE == "cuda"
-         else [pytest.param("gloo", 2, id="gloo-2")])
+RANKS = (
+    [pytest.param("nccl", 1, id="nccl-1"), pytest.param("gloo", 2, id="gloo-2")]
+    if DEVICE == "cuda"
+    else [pytest.param("gloo", 2, id="gloo-2")]
+)
 # Values of about unit size, rounded to the wire dtype before and after the sum.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
-       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +59,10 @@ def _device() -> torch.device:
 
 def _grads(world_size: int, device: torch.device) -> list[torch.Tensor]:
     """Every rank's gradient (the same on every rank: each can compute the exact mean)."""
-    return [torch.randn(64, 16, generator=torch.Generator().manual_seed(r)).to(device) for r in range(world_size)]
+    return [
+        torch.randn(64, 16, generator=torch.Generator().manual_seed(r)).to(device)
+        for r in range(world_size)
+    ]
 
 
 def hooks_worker(rank: int, world_size: int) -> dict:
@@ -65,8 +74,11 @@ def hooks_worker(rank: int, world_size: int) -> dict:
 
     def all_hooks(g: torch.Tensor) -> dict:
         out = {}
-        for name, hook, st in (("fp32", ch.allreduce_hook, state), ("bf16", ch.bf16_compress_hook, lp),
-                               ("fp16", ch.fp16_compress_hook, lp)):
+        for name, hook, st in (
+            ("fp32", ch.allreduce_hook, state),
+            ("bf16", ch.bf16_compress_hook, lp),
+            ("fp16", ch.fp16_compress_hook, lp),
+        ):
             full = g.clone()
             hook(st, full)
             shard = g.new_empty(rows, g.shape[1])
@@ -86,11 +98,18 @@ def test_hooks_compiled_whole_match_eager(backend, world_size):
         for name, (full, shard, compiled_full, compiled_shard) in out.items():
             tol = TOL[{"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]]
             torch.testing.assert_close(full, mean, **tol, msg=f"{name} all_reduce, rank {rank}")
-            torch.testing.assert_close(shard, mean.chunk(world_size)[rank], **tol,
-                                       msg=f"{name} reduce_scatter, rank {rank}")
-            torch.testing.assert_close(compiled_full, full, **tol, msg=f"{name} compiled all_reduce, rank {rank}")
-            torch.testing.assert_close(compiled_shard, shard, **tol,
-                                       msg=f"{name} compiled reduce_scatter, rank {rank}")
+            torch.testing.assert_close(
+                shard,
+                mean.chunk(world_size)[rank],
+                **tol,
+                msg=f"{name} reduce_scatter, rank {rank}",
+            )
+            torch.testing.assert_close(
+                compiled_full, full, **tol, msg=f"{name} compiled all_reduce, rank {rank}"
+            )
+            torch.testing.assert_close(
+                compiled_shard, shard, **tol, msg=f"{name} compiled reduce_scatter, rank {rank}"
+            )
 
 
 LAYERS = 6
@@ -124,10 +143,13 @@ def ddp_worker(rank: int, world_size: int) -> dict:
     buckets = output_code.collective_calls(backward, "all_reduce")
     kernels = output_code.kernels(backward)
     writers = output_code.bucket_writers(backward, buckets[0])
-    return {"collectives": len(buckets), "writers": writers,
-            "casting": [w for w in writers if output_code.casts_to(kernels[w], "bfloat16")],
-            "grads": [p.grad.cpu() for p in net.parameters()],
-            "reference": [p.grad.cpu() for p in reference.parameters()]}
+    return {
+        "collectives": len(buckets),
+        "writers": writers,
+        "casting": [w for w in writers if output_code.casts_to(kernels[w], "bfloat16")],
+        "grads": [p.grad.cpu() for p in net.parameters()],
+        "reference": [p.grad.cpu() for p in reference.parameters()],
+    }
 
 
 @pytest.mark.parametrize("backend,world_size", RANKS)
@@ -136,7 +158,9 @@ def test_compiled_ddp_sends_one_bucket_cast_in_its_copy_in_kernels(backend, worl
         assert out["collectives"] == 1, out  # 2 * LAYERS gradients, one bucket
         assert out["writers"] and out["casting"] == out["writers"], out
         for i, (g, ref) in enumerate(zip(out["grads"], out["reference"])):
-            torch.testing.assert_close(g, ref, **TOL[torch.bfloat16], msg=f"rank {rank} parameter {i}")
+            torch.testing.assert_close(
+                g, ref, **TOL[torch.bfloat16], msg=f"rank {rank} parameter {i}"
+            )
 
 
 class _Block(nn.Module):
@@ -180,16 +204,23 @@ def data_parallel_worker(rank: int, world_size: int) -> dict:
     eager(x).square().mean().backward()
     model = data_parallel(_Net().to(device), mesh, reshard_after_forward=False)
     with passes.install():
-        _, codes = run_and_get_code(lambda: torch.compile(model, fullgraph=True)(x).square().mean().backward())
+        _, codes = run_and_get_code(
+            lambda: torch.compile(model, fullgraph=True)(x).square().mean().backward()
+        )
     forward, backward = codes
     # gloo: all-gathers and reduce-scatters go out as all_to_alls (all_gather_as_all_to_all,
     # reduce_scatter_as_all_to_all); NCCL keeps its own collectives.
-    gather, reduce = (("all_to_all_single",) * 2 if backend_of(mesh) == "gloo"
-                      else ("all_gather_into_tensor", "reduce_scatter_tensor"))
-    return {"gathers": len(output_code.collective_calls(forward, gather)),
-            "reductions": len(output_code.collective_calls(backward, reduce)),
-            "grads": [p.grad.full_tensor().cpu() for p in model.parameters()],
-            "reference": [p.grad.full_tensor().cpu() for p in eager.parameters()]}
+    gather, reduce = (
+        ("all_to_all_single",) * 2
+        if backend_of(mesh) == "gloo"
+        else ("all_gather_into_tensor", "reduce_scatter_tensor")
+    )
+    return {
+        "gathers": len(output_code.collective_calls(forward, gather)),
+        "reductions": len(output_code.collective_calls(backward, reduce)),
+        "grads": [p.grad.full_tensor().cpu() for p in model.parameters()],
+        "reference": [p.grad.full_tensor().cpu() for p in eager.parameters()],
+    }
 
 
 def backend_of(mesh) -> str:
@@ -198,7 +229,11 @@ def backend_of(mesh) -> str:
 
 @pytest.mark.parametrize("backend,world_size", RANKS)
 def test_data_parallel_one_collective_per_block(backend, world_size):
-    for rank, out in enumerate(run_ranks(data_parallel_worker, world_size, backend=backend, timeout=600)):
+    for rank, out in enumerate(
+        run_ranks(data_parallel_worker, world_size, backend=backend, timeout=600)
+    ):
         assert (out["gathers"], out["reductions"]) == (BLOCKS, BLOCKS), out
         for i, (g, ref) in enumerate(zip(out["grads"], out["reference"])):
-            torch.testing.assert_close(g, ref, **TOL[torch.float32], msg=f"rank {rank} parameter {i}")
+            torch.testing.assert_close(
+                g, ref, **TOL[torch.float32], msg=f"rank {rank} parameter {i}"
+            )

@@ -26,11 +26,15 @@ def test_readme_is_short_and_links_every_docs_page():
     assert len(README.encode()) <= 12_000
     linked = {m.group(1) for m in LINK.finditer(README)}
     assert DOCS, "no docs/ pages"
-    missing = [p.relative_to(ROOT).as_posix() for p in DOCS if p.relative_to(ROOT).as_posix() not in linked]
+    missing = [
+        p.relative_to(ROOT).as_posix() for p in DOCS if p.relative_to(ROOT).as_posix() not in linked
+    ]
     assert not missing, f"docs pages the README does not link: {missing}"
 
 
-@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "CHANGELOG.md", *DOCS], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page", [ROOT / "README.md", ROOT / "CHANGELOG.md", *DOCS], ids=lambda p: p.name
+)
 def test_relative_links_and_anchors_resolve(page):
     text = page.read_text()
     for match in LINK.finditer(text):
@@ -40,9 +44,13 @@ def test_relative_links_and_anchors_resolve(page):
         path = (page.parent / target).resolve()
         assert path.exists(), f"{page.name}: link to {target} does not exist"
         if anchor and path.suffix == ".md":
-            slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-                     for h in re.findall(r"^#+ (.*)$", path.read_text(), flags=re.M)}
-            assert anchor[1:] in slugs, f"{page.name}: no heading for {target}{anchor} (have {sorted(slugs)})"
+            slugs = {
+                re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.*)$", path.read_text(), flags=re.M)
+            }
+            assert anchor[1:] in slugs, (
+                f"{page.name}: no heading for {target}{anchor} (have {sorted(slugs)})"
+            )
 
 
 def test_files_the_readme_commands_name_exist():
@@ -51,8 +59,14 @@ def test_files_the_readme_commands_name_exist():
     assert "examples/train_ddp.py" in named and "examples/quickstart.py" in named
     for path in named:
         assert (ROOT / path).exists(), path
-    assert re.search(r"^pip install torch==2\.13\.0 -e \"\.\[test\]\" && python -m pytest$", commands, flags=re.M)
-    assert re.search(r"^pip install torch==2\.13\.0 -e \. && python examples/train_ddp\.py$", commands, flags=re.M)
+    assert re.search(
+        r"^pip install torch==2\.13\.0 -e \"\.\[test\]\" && python -m pytest$", commands, flags=re.M
+    )
+    assert re.search(
+        r"^pip install torch==2\.13\.0 -e \. && python examples/train_ddp\.py$",
+        commands,
+        flags=re.M,
+    )
 
 
 def test_quick_start_is_the_script_it_names():
@@ -79,8 +93,14 @@ def test_no_dates_or_timing_tables_in_the_code():
 
 @pytest.mark.slow
 def test_quick_start_runs_as_written():
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)$", proc.stdout, flags=re.M)]
     assert len(losses) == 4 and losses[-1] < losses[0] / 4, proc.stdout

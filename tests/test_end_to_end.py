@@ -21,7 +21,9 @@ LAYERS = 8
 
 
 def _scales_left(graph):
-    counters["e2e"]["scales around collectives"] += sum(len(c.scales()) for c in chains(graph, "e2e"))
+    counters["e2e"]["scales around collectives"] += sum(
+        len(c.scales()) for c in chains(graph, "e2e")
+    )
     counters["e2e"]["collectives"] += len(chains(graph, "e2e"))
     return False
 
@@ -34,16 +36,20 @@ def e2e_worker(rank, world_size):
         counters.clear()
         torch.manual_seed(0)
         net = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(LAYERS)])
-        _, model = ch.compile_ddp(net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+        _, model = ch.compile_ddp(
+            net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook
+        )
         for p in net.parameters():
             p.grad = torch.zeros_like(p)
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
 
-        def step():
+        def step(model=model, x=x):
             with ch.compiled_autograd():
                 model(x).square().mean().backward()
 
-        pipeline = passes.Pipeline([passes.fold_collective_scaling, passes.fuse_collective_casts, _scales_left])
+        pipeline = passes.Pipeline(
+            [passes.fold_collective_scaling, passes.fuse_collective_casts, _scales_left]
+        )
         if use_passes:
             with passes.install(pipeline):
                 _, codes = run_and_get_code(step)

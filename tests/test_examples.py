@@ -15,20 +15,33 @@ GUARD = {"PASSES_CHECK_RANKS": "1"}
 
 
 def assert_guard_checked(stdout: str) -> None:
-    assert any(line.startswith("rank guard: ") and "no divergence" in line for line in stdout.splitlines()), stdout
+    assert any(
+        line.startswith("rank guard: ") and "no divergence" in line for line in stdout.splitlines()
+    ), stdout
 
 
 def test_train_ddp_example_with_verified_passes():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1", **GUARD}  # every rewrite checked
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PASSES_VERIFY": "1",
+        **GUARD,
+    }  # every rewrite checked
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--steps", "6"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "--- compiled DDP + bf16_compress_hook + passes ---" in proc.stdout
     # the passes rewrote the example's backward and the verifier found nothing wrong
     passes_line = next(line for line in proc.stdout.splitlines() if line.startswith("passes: "))
-    assert "bucketed" in passes_line and "fuse_collective_casts: verified" in passes_line, passes_line
+    assert "bucketed" in passes_line and "fuse_collective_casts: verified" in passes_line, (
+        passes_line
+    )
     assert proc.stdout.count("step ") == 12
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1 and "(OK" in final[0], proc.stdout
@@ -38,7 +51,11 @@ def test_train_ddp_example_with_verified_passes():
 def test_train_fsdp2_example():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_fsdp2.py"), "--steps", "4"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **GUARD},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **GUARD},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("bf16_compress_hook: loss") == 4
@@ -50,7 +67,11 @@ def test_train_fsdp2_example():
 def test_train_fsdp_example():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_fsdp.py"), "--steps", "4"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **GUARD},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **GUARD},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("data_parallel + bf16_compress_hook: loss") == 4
@@ -62,14 +83,28 @@ def test_train_fsdp_example():
 def test_train_zero_example_sharded_with_verified_passes():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1", **GUARD}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_zero.py"), "--steps", "4", "--shard-buckets"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_zero.py"),
+            "--steps",
+            "4",
+            "--shard-buckets",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("step ") == 4
     passes_line = next(line for line in proc.stdout.splitlines() if line.startswith("passes: "))
-    for done in ("-> reduce_scatter", "-> all_gather", "interleave_zero_broadcasts: verified",
-                 "shard_weight_update: verified"):
+    for done in (
+        "-> reduce_scatter",
+        "-> all_gather",
+        "interleave_zero_broadcasts: verified",
+        "shard_weight_update: verified",
+    ):
         assert done in passes_line, passes_line
     assert "identical on all ranks: True" in proc.stdout
     final = [line for line in proc.stdout.splitlines() if line.startswith("final loss")]

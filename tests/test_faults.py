@@ -14,7 +14,8 @@ import torch.distributed as dist
 import compiled_hooks as ch
 import passes
 from tests.ranks import context, run_ranks
-from tests.test_ddp import _batch, _net as _mlp
+from tests.test_ddp import _batch
+from tests.test_ddp import _net as _mlp
 
 PG_TIMEOUT_S = 10
 
@@ -30,11 +31,18 @@ def _train_step(model, opt, net, rank, step):
 def dying_worker(rank, world_size, store_path, q, compiled):
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
     if compiled:
         net = _mlp()
-        _, model = ch.compile_ddp(net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+        _, model = ch.compile_ddp(
+            net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook
+        )
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         for p in net.parameters():
             p.grad = torch.zeros_like(p)
@@ -70,13 +78,23 @@ def _flush(q):
     q.join_thread()
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager_hook", "compiled_ddp"])
+@pytest.mark.parametrize(
+    "compiled",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["eager_hook", "compiled_ddp"],
+)
 def test_dead_rank_makes_the_others_raise(compiled):
     ctx = context()
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=dying_worker, args=(r, 2, os.path.join(tmp, "store"), q, compiled), daemon=True)
-                 for r in range(2)]
+        procs = [
+            ctx.Process(
+                target=dying_worker,
+                args=(r, 2, os.path.join(tmp, "store"), q, compiled),
+                daemon=True,
+            )
+            for r in range(2)
+        ]
         for p in procs:
             p.start()
         reports = []

@@ -11,12 +11,16 @@ from tests.passcase import PassTestCase
 
 class TestFold(PassTestCase):
     def trace_hook(self, kind, sharded, world_size=8):
-        _ = trace(lambda: None, world_size=world_size)  # make the group first: the hook's state reads it
+        _ = trace(
+            lambda: None, world_size=world_size
+        )  # make the group first: the hook's state reads it
         return trace(hook_fn(kind, sharded), *hook_args(sharded, world_size), world_size=world_size)
 
     def test_bf16_all_reduce_becomes_avg(self):
         gm = self.trace_hook("bf16", sharded=False)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 grad_1: f32[16] = input
 div: f32[16] = aten.div(grad_1, 4.0)
 convert_element_type: bf16[16] = prims.convert_element_type(div, bf16)
@@ -25,38 +29,50 @@ wait_tensor: bf16[16] = c10d.wait_tensor(all_reduce)
 div_1: bf16[16] = aten.div(wait_tensor, 2.0)
 convert_element_type_1: f32[16] = prims.convert_element_type(div_1, f32)
 copy_: f32[16] = aten.copy_(grad_1, convert_element_type_1)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
         self.assertRewrites(gm, fold_collective_scaling)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 grad_1: f32[16] = input
 convert_element_type: bf16[16] = prims.convert_element_type(grad_1, bf16)
 all_reduce: bf16[16] = c10d.all_reduce(convert_element_type, 'avg', group(size=8))
 wait_tensor: bf16[16] = c10d.wait_tensor(all_reduce)
 convert_element_type_1: f32[16] = prims.convert_element_type(wait_tensor, f32)
 copy_: f32[16] = aten.copy_(grad_1, convert_element_type_1)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
 
     def test_fp32_all_reduce_becomes_avg(self):
         gm = self.trace_hook("fp32", sharded=False)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 grad_1: f32[16] = input
 div: f32[16] = aten.div(grad_1, 4.0)
 all_reduce: f32[16] = c10d.all_reduce(div, 'sum', group(size=8))
 wait_tensor: f32[16] = c10d.wait_tensor(all_reduce)
 div_1: f32[16] = aten.div(wait_tensor, 2.0)
 copy_: f32[16] = aten.copy_(grad_1, div_1)
-return div_1""")
+return div_1""",
+        )
         self.assertRewrites(gm, fold_collective_scaling)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 grad_1: f32[16] = input
 all_reduce: f32[16] = c10d.all_reduce(grad_1, 'avg', group(size=8))
 wait_tensor: f32[16] = c10d.wait_tensor(all_reduce)
 copy_: f32[16] = aten.copy_(grad_1, wait_tensor)
-return wait_tensor""")
+return wait_tensor""",
+        )
 
     def test_bf16_reduce_scatter_becomes_avg(self):
         gm = self.trace_hook("bf16", sharded=True)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 grad_1: f32[128] = input
 output_1: f32[16] = input
 div: f32[128] = aten.div(grad_1, 4.0)
@@ -67,9 +83,12 @@ wait_tensor: bf16[16] = c10d.wait_tensor(reduce_scatter_tensor)
 div_1: bf16[16] = aten.div(wait_tensor, 2.0)
 convert_element_type_1: f32[16] = prims.convert_element_type(div_1, f32)
 copy_: f32[16] = aten.copy_(output_1, convert_element_type_1)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
         self.assertRewrites(gm, fold_collective_scaling)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 grad_1: f32[128] = input
 output_1: f32[16] = input
 convert_element_type: bf16[128] = prims.convert_element_type(grad_1, bf16)
@@ -78,11 +97,14 @@ reduce_scatter_tensor: bf16[16] = c10d.reduce_scatter_tensor(view, 'avg', 8, gro
 wait_tensor: bf16[16] = c10d.wait_tensor(reduce_scatter_tensor)
 convert_element_type_1: f32[16] = prims.convert_element_type(wait_tensor, f32)
 copy_: f32[16] = aten.copy_(output_1, convert_element_type_1)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
 
     def test_fp32_reduce_scatter_becomes_avg(self):
         gm = self.trace_hook("fp32", sharded=True)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 grad_1: f32[128] = input
 output_1: f32[16] = input
 div: f32[128] = aten.div(grad_1, 4.0)
@@ -91,21 +113,27 @@ reduce_scatter_tensor: f32[16] = c10d.reduce_scatter_tensor(view, 'sum', 8, grou
 wait_tensor: f32[16] = c10d.wait_tensor(reduce_scatter_tensor)
 div_1: f32[16] = aten.div(wait_tensor, 2.0)
 copy_: f32[16] = aten.copy_(output_1, div_1)
-return div_1""")
+return div_1""",
+        )
         self.assertRewrites(gm, fold_collective_scaling)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 grad_1: f32[128] = input
 output_1: f32[16] = input
 view: f32[128] = aten.view(grad_1, [-1])
 reduce_scatter_tensor: f32[16] = c10d.reduce_scatter_tensor(view, 'avg', 8, group(size=8))
 wait_tensor: f32[16] = c10d.wait_tensor(reduce_scatter_tensor)
 copy_: f32[16] = aten.copy_(output_1, wait_tensor)
-return wait_tensor""")
+return wait_tensor""",
+        )
 
     def test_ddp_shaped_bf16_world_2(self):
         _ = trace(lambda: None, world_size=2)
         gm = trace(ddp_fn("bf16"), *ddp_args([(3, 4), (5,)]), world_size=2)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[3, 4] = input
 arg1_1: f32[5] = input
 sin: f32[3, 4] = aten.sin(arg0_1)
@@ -122,9 +150,12 @@ wait_tensor_1: bf16[5] = c10d.wait_tensor(all_reduce_1)
 convert_element_type_3: f32[5] = prims.convert_element_type(wait_tensor_1, f32)
 copy_: f32[3, 4] = aten.copy_(arg0_1, convert_element_type_1)
 copy__1: f32[5] = aten.copy_(arg1_1, convert_element_type_3)
-return [convert_element_type_1, convert_element_type_3]""")
+return [convert_element_type_1, convert_element_type_3]""",
+        )
         self.assertRewrites(gm, fold_collective_scaling)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[3, 4] = input
 arg1_1: f32[5] = input
 sin: f32[3, 4] = aten.sin(arg0_1)
@@ -139,7 +170,8 @@ wait_tensor_1: bf16[5] = c10d.wait_tensor(all_reduce_1)
 convert_element_type_3: f32[5] = prims.convert_element_type(wait_tensor_1, f32)
 copy_: f32[3, 4] = aten.copy_(arg0_1, convert_element_type_1)
 copy__1: f32[5] = aten.copy_(arg1_1, convert_element_type_3)
-return [convert_element_type_1, convert_element_type_3]""")
+return [convert_element_type_1, convert_element_type_3]""",
+        )
 
     def test_loss_scale_merges_into_one_scale(self):
         _ = trace(lambda: None, world_size=8)
@@ -150,7 +182,9 @@ return [convert_element_type_1, convert_element_type_3]""")
             return hook(g)
 
         gm = trace(fn, *hook_args(False, 8))
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 g_1: f32[16] = input
 mul: f32[16] = aten.mul(g_1, 0.25)
 div: f32[16] = aten.div(mul, 4.0)
@@ -160,9 +194,12 @@ wait_tensor: bf16[16] = c10d.wait_tensor(all_reduce)
 div_1: bf16[16] = aten.div(wait_tensor, 2.0)
 convert_element_type_1: f32[16] = prims.convert_element_type(div_1, f32)
 copy_: f32[16] = aten.copy_(g_1, convert_element_type_1)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
         self.assertRewrites(gm, fold_collective_scaling)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 g_1: f32[16] = input
 folded_scale: f32[16] = aten.mul(g_1, 0.03125)
 convert_element_type: bf16[16] = prims.convert_element_type(folded_scale, bf16)
@@ -170,20 +207,24 @@ all_reduce: bf16[16] = c10d.all_reduce(convert_element_type, 'sum', group(size=8
 wait_tensor: bf16[16] = c10d.wait_tensor(all_reduce)
 convert_element_type_1: f32[16] = prims.convert_element_type(wait_tensor, f32)
 copy_: f32[16] = aten.copy_(g_1, convert_element_type_1)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
 
     def test_world_size_one_removes_factors_and_keeps_sum(self):
         _ = trace(lambda: None, world_size=1)
         hook = hook_fn("bf16", sharded=False)
         gm = trace(lambda g: hook((g * 2.0) / 2.0), *hook_args(False, 1), world_size=1)
         self.assertRewrites(gm, fold_collective_scaling)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 g_1: f32[16] = input
 convert_element_type: bf16[16] = prims.convert_element_type(g_1, bf16)
 all_reduce: bf16[16] = c10d.all_reduce(convert_element_type, 'sum', group(size=1))
 wait_tensor: bf16[16] = c10d.wait_tensor(all_reduce)
 convert_element_type_1: f32[16] = prims.convert_element_type(wait_tensor, f32)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
 
     def test_factors_whose_float_product_is_one_are_removed(self):
         # found by the randomized test: * 3 then * 0.333... multiplies to 1.0 in floating point
@@ -200,7 +241,9 @@ return convert_element_type_1""")
     def test_fp16_keeps_its_split(self):
         for sharded in (False, True):
             gm = self.trace_hook("fp16", sharded)
-            self.assertUntouched(gm, fold_collective_scaling, "fp16 wire dtype keeps its pre/post split")
+            self.assertUntouched(
+                gm, fold_collective_scaling, "fp16 wire dtype keeps its pre/post split"
+            )
 
     def test_non_constant_factor(self):
         _ = trace(lambda: None, world_size=8)
@@ -235,6 +278,7 @@ return convert_element_type_1""")
     def test_chained_collectives_on_two_groups(self):
         _ = trace(lambda: None, world_size=8)
         from torch.distributed._functional_collectives import all_reduce
+
         inner = dist.new_group([0, 1, 2, 3])
 
         def fn(g):  # hierarchical: sum in a group of 4, then across the world

@@ -15,7 +15,6 @@ import compiled_hooks as ch
 from compiled_hooks.fsdp import ALREADY, ROOT_ONLY, get_comm_hook, register_comm_hook
 from tests.ranks import run_ranks
 
-
 LAYOUTS = ["reshard_after_forward", "keep_unsharded", "replicate"]
 
 
@@ -24,7 +23,9 @@ def wrap(module, mesh, layout, mp=None):
     mp = mp or MixedPrecisionPolicy()
     if layout == "replicate":
         return replicate(module, mesh=mesh, mp_policy=mp)
-    return fully_shard(module, mesh=mesh, reshard_after_forward=layout == "reshard_after_forward", mp_policy=mp)
+    return fully_shard(
+        module, mesh=mesh, reshard_after_forward=layout == "reshard_after_forward", mp_policy=mp
+    )
 
 
 class Net(nn.Module):
@@ -56,7 +57,10 @@ def fsdp_worker(rank, world_size, layout):
     out = {}
 
     # default behaviour: the 1 x N linear layer with the rank as input averages gradients
-    for name, hook in [("fsdp default", None), ("plain hook", ch.allreduce_hook if replicated else ch.reduce_scatter_hook)]:
+    for name, hook in [
+        ("fsdp default", None),
+        ("plain hook", ch.allreduce_hook if replicated else ch.reduce_scatter_hook),
+    ]:
         net = nn.Linear(1, world_size, bias=False)
         wrap(net, mesh, layout)
         if hook is not None:
@@ -68,44 +72,70 @@ def fsdp_worker(rank, world_size, layout):
 
     # registration rules
     model = Net(True, mesh, layout)
-    subs = [m for m in model.modules() if m is not model and hasattr(m, "set_custom_reduce_scatter")]
-    out["default hook"] = [get_comm_hook(m) for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+    subs = [
+        m for m in model.modules() if m is not model and hasattr(m, "set_custom_reduce_scatter")
+    ]
+    out["default hook"] = [
+        get_comm_hook(m) for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")
+    ]
     state = ch.LowPrecisionState(dist.group.WORLD)
     register_comm_hook(model, state, ch.bf16_compress_hook)
-    out["registered"] = all(get_comm_hook(m) == (ch.bf16_compress_hook, state) for m in [model, *subs])
+    out["registered"] = all(
+        get_comm_hook(m) == (ch.bf16_compress_hook, state) for m in [model, *subs]
+    )
     out["twice"] = _raises(lambda: register_comm_hook(model, state, ch.bf16_compress_hook))
     model = Net(True, mesh, layout)
     model(torch.randn(2, 8)).sum().backward()  # FSDP2 knows its root after the first forward
-    out["non-root"] = _raises(lambda: register_comm_hook(subs_of(model)[1], state, ch.bf16_compress_hook))
+    out["non-root"] = _raises(
+        lambda: register_comm_hook(subs_of(model)[1], state, ch.bf16_compress_hook)
+    )
     model = Net(True, mesh, layout)
     subs_of(model)[1]._comm_hook = ch.bf16_compress_hook
-    out["sub-module has one"] = _raises(lambda: register_comm_hook(model, state, ch.bf16_compress_hook))
+    out["sub-module has one"] = _raises(
+        lambda: register_comm_hook(model, state, ch.bf16_compress_hook)
+    )
     model = Net(True, mesh, layout)
     register_comm_hook(subs_of(model)[0], state, ch.bf16_compress_hook)  # root not known yet
     out["non-root found late"] = _raises(lambda: model(torch.randn(2, 8)).sum().backward())
     wrong_hook = ch.reduce_scatter_hook if replicated else ch.allreduce_hook
-    out["wrong hook"] = _raises(lambda: register_comm_hook(Net(False, mesh, layout), state, wrong_hook))
-    out["with reduce_dtype"] = _raises(lambda: register_comm_hook(
-        Net(False, mesh, layout, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)), state, ch.bf16_compress_hook))
+    out["wrong hook"] = _raises(
+        lambda: register_comm_hook(Net(False, mesh, layout), state, wrong_hook)
+    )
+    out["with reduce_dtype"] = _raises(
+        lambda: register_comm_hook(
+            Net(False, mesh, layout, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)),
+            state,
+            ch.bf16_compress_hook,
+        )
+    )
 
     # low-precision hooks == FSDP2 mixed precision with reduce_dtype
     x = torch.rand(16, 8, generator=torch.Generator().manual_seed(rank))
     for has_wrapping in (True, False):
-        for hook, dtype in [(ch.fp16_compress_hook, torch.float16), (ch.bf16_compress_hook, torch.bfloat16)]:
+        for hook, dtype in [
+            (ch.fp16_compress_hook, torch.float16),
+            (ch.bf16_compress_hook, torch.bfloat16),
+        ]:
             for compile in (False, True) if dtype is torch.bfloat16 and has_wrapping else (False,):
                 with_hook = Net(has_wrapping, mesh, layout)
-                register_comm_hook(with_hook, ch.LowPrecisionState(dist.group.WORLD), hook, compile=compile)
+                register_comm_hook(
+                    with_hook, ch.LowPrecisionState(dist.group.WORLD), hook, compile=compile
+                )
                 with_mp = Net(has_wrapping, mesh, layout, MixedPrecisionPolicy(reduce_dtype=dtype))
                 opt_hook = torch.optim.SGD(with_hook.parameters(), lr=0.1)
                 opt_mp = torch.optim.SGD(with_mp.parameters(), lr=0.1)
                 with_hook(x).sum().backward()
                 with_mp(x).sum().backward()
-                grads = [(a.grad.to_local().clone(), b.grad.to_local().clone())
-                         for a, b in zip(with_hook.parameters(), with_mp.parameters())]
+                grads = [
+                    (a.grad.to_local().clone(), b.grad.to_local().clone())
+                    for a, b in zip(with_hook.parameters(), with_mp.parameters())
+                ]
                 opt_hook.step()
                 opt_mp.step()
-                params = [(a.to_local().detach().clone(), b.to_local().detach().clone())
-                          for a, b in zip(with_hook.parameters(), with_mp.parameters())]
+                params = [
+                    (a.to_local().detach().clone(), b.to_local().detach().clone())
+                    for a, b in zip(with_hook.parameters(), with_mp.parameters())
+                ]
                 out[f"mp {dtype} wrapping={has_wrapping} compile={compile}"] = (grads, params)
     out["compiled graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -118,10 +148,15 @@ def fsdp_worker(rank, world_size, layout):
 
 
 def subs_of(model):
-    return [m for m in model.modules() if m is not model and hasattr(m, "set_custom_reduce_scatter")]
+    return [
+        m for m in model.modules() if m is not model and hasattr(m, "set_custom_reduce_scatter")
+    ]
 
 
-@pytest.fixture(scope="module", params=[LAYOUTS[0], *(pytest.param(layout, marks=pytest.mark.slow) for layout in LAYOUTS[1:])])
+@pytest.fixture(
+    scope="module",
+    params=[LAYOUTS[0], *(pytest.param(layout, marks=pytest.mark.slow) for layout in LAYOUTS[1:])],
+)
 def outcomes(request):
     return run_ranks(fsdp_worker, 2, request.param, timeout=300)
 
@@ -142,17 +177,26 @@ def test_registration_rules(outcomes):
         assert out["sub-module has one"] == (AssertionError, ALREADY)
         assert out["non-root found late"] == (AssertionError, ROOT_ONLY)
         kind, msg = out["wrong hook"]
-        assert kind is TypeError and ("hook(state, grad)" if "no all-reduce" in out else "hook(state, grad, output)") in msg
+        assert (
+            kind is TypeError
+            and ("hook(state, grad)" if "no all-reduce" in out else "hook(state, grad, output)")
+            in msg
+        )
         if "no all-reduce" in out:
             kind, msg = out["no all-reduce"]
             assert kind is NotImplementedError and "set_requires_all_reduce(False)" in msg
-        assert out["with reduce_dtype"][0] is ValueError and "reduce_dtype" in out["with reduce_dtype"][1]
+        assert (
+            out["with reduce_dtype"][0] is ValueError
+            and "reduce_dtype" in out["with reduce_dtype"][1]
+        )
 
 
 def test_low_precision_hooks_match_mixed_precision(outcomes):
     keys = [k for k in outcomes[0] if k.startswith("mp ")]
     assert len(keys) == 5
-    assert all(out["compiled graphs"] >= 1 for out in outcomes)  # compile=True really compiled the hook
+    assert all(
+        out["compiled graphs"] >= 1 for out in outcomes
+    )  # compile=True really compiled the hook
     for rank, out in enumerate(outcomes):
         for key in keys:
             grads, params = out[key]
@@ -163,7 +207,9 @@ def test_low_precision_hooks_match_mixed_precision(outcomes):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"rank {rank} {key} param {i}")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP1 needs an accelerator: 2 CUDA devices and NCCL")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="FSDP1 needs an accelerator: 2 CUDA devices and NCCL"
+)
 def test_fsdp1_accepts_the_hooks():
     for per_rank in run_ranks(fsdp1_worker, 2, timeout=300, backend="nccl"):
         for strategy, ours, theirs in per_rank:
@@ -176,17 +222,27 @@ def test_fsdp1_accepts_the_hooks():
 def fsdp1_worker(rank, world_size):
     """FSDP1 with this project's hooks gives the eager originals' gradients (CUDA + NCCL)."""
     from torch.distributed.algorithms._comm_hooks import default_hooks as eager
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
 
     torch.cuda.set_device(rank)
     results = []
-    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+    for strategy in (
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.NO_SHARD,
+    ):
         grads = []
-        for state_cls, hook in ((ch.LowPrecisionState, ch.fp16_compress_hook),
-                                (eager.LowPrecisionState, eager.fp16_compress_hook)):
+        for state_cls, hook in (
+            (ch.LowPrecisionState, ch.fp16_compress_hook),
+            (eager.LowPrecisionState, eager.fp16_compress_hook),
+        ):
             torch.manual_seed(0)
-            model = FSDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).cuda(),
-                         sharding_strategy=strategy, device_id=rank)
+            model = FSDP(
+                nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).cuda(),
+                sharding_strategy=strategy,
+                device_id=rank,
+            )
             model.register_comm_hook(state_cls(dist.group.WORLD), hook)
             x = torch.rand(4, 8, generator=torch.Generator().manual_seed(rank)).cuda()
             model(x).sum().backward()

@@ -24,7 +24,9 @@ class TestFuseCatPrologue(PassTestCase):
     def test_scale_and_cast_move_into_members(self):
         gm = trace(bucket_hook, torch.randn(3), torch.randn(2, 2), world_size=2)
         before = copy_graph(gm.graph)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[3] = input
 b_1: f32[2, 2] = input
 view: f32[3] = aten.view(a_1, [-1])
@@ -35,9 +37,12 @@ convert_element_type: bf16[7] = prims.convert_element_type(div, bf16)
 all_reduce: bf16[7] = c10d.all_reduce(convert_element_type, 'sum', group(size=2))
 wait_tensor: bf16[7] = c10d.wait_tensor(all_reduce)
 convert_element_type_1: f32[7] = prims.convert_element_type(wait_tensor, f32)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
         self.assertRewrites(gm, fuse_cat_prologue)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[3] = input
 b_1: f32[2, 2] = input
 view: f32[3] = aten.view(a_1, [-1])
@@ -50,7 +55,8 @@ cat_default: bf16[7] = aten.cat([convert_element_type_default, convert_element_t
 all_reduce: bf16[7] = c10d.all_reduce(cat_default, 'sum', group(size=2))
 wait_tensor: bf16[7] = c10d.wait_tensor(all_reduce)
 convert_element_type_1: f32[7] = prims.convert_element_type(wait_tensor, f32)
-return convert_element_type_1""")
+return convert_element_type_1""",
+        )
         self.meta_consistent(gm)
         self.assertTrue(check_rewrite("fuse_cat_prologue", before, gm.graph))
 
@@ -59,7 +65,9 @@ return convert_element_type_1""")
         reads its cat afterwards, and the step computes the same values."""
         for world_size, kind in [(2, "fp32"), (4, "bf16")]:
             zero = zero_optimizer(world_size, ((3,), (2, 3), (4,), (5,)), torch.optim.AdamW)
-            fn, args = zero_step_fn(zero, kind, interleaved=True, bucket_bytes=30)  # two buckets of two
+            fn, args = zero_step_fn(
+                zero, kind, interleaved=True, bucket_bytes=30
+            )  # two buckets of two
             gm = trace(fn, *args(), world_size=world_size)
             before = copy_graph(gm.graph)
             self.assertRewrites(gm, fuse_cat_prologue)
@@ -80,14 +88,20 @@ return convert_element_type_1""")
             return c10d.wait_tensor(c10d.all_reduce(torch.cat([a, b], dim=1) * 0.5, "sum", "0"))
 
         x, y = torch.randn(3), torch.randn(2)
-        cases = [(cat_read_twice, (x, y), "the cat has another user"),
-                 (tensor_factor, (x, y, torch.tensor(2.0)), "is not a constant scale"),
-                 (not_flat, (torch.randn(2, 3), torch.randn(2, 1)), "a member is not 1-D")]
+        cases = [
+            (cat_read_twice, (x, y), "the cat has another user"),
+            (tensor_factor, (x, y, torch.tensor(2.0)), "is not a constant scale"),
+            (not_flat, (torch.randn(2, 3), torch.randn(2, 1)), "a member is not 1-D"),
+        ]
         for fn, inputs, reason in cases:
             with self.subTest(fn.__name__):
                 self.assertUntouched(trace(fn, *inputs, world_size=2), fuse_cat_prologue, reason)
 
     def test_no_cat_is_not_counted(self):
-        gm = trace(lambda g: c10d.wait_tensor(c10d.all_reduce(g / 2.0, "sum", "0")), torch.randn(4), world_size=2)
+        gm = trace(
+            lambda g: c10d.wait_tensor(c10d.all_reduce(g / 2.0, "sum", "0")),
+            torch.randn(4),
+            world_size=2,
+        )
         self.assertFalse(fuse_cat_prologue(gm.graph))
         self.assertFalse([k for k in counters["passes"] if k.startswith("fuse_cat_prologue")])

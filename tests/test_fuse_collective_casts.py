@@ -21,7 +21,9 @@ def ddp_graph(kind, shapes, world_size=2, fold=True):
 class TestFuse(PassTestCase):
     def test_ddp_shaped_bf16_one_bucket(self):
         gm = ddp_graph("bf16", [(3, 4), (5,), (2, 2)])
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[3, 4] = input
 arg1_1: f32[5] = input
 arg2_1: f32[2, 2] = input
@@ -43,9 +45,12 @@ convert_element_type_5: f32[2, 2] = prims.convert_element_type(wait_tensor_2, f3
 copy_: f32[3, 4] = aten.copy_(arg0_1, convert_element_type_1)
 copy__1: f32[5] = aten.copy_(arg1_1, convert_element_type_3)
 copy__2: f32[2, 2] = aten.copy_(arg2_1, convert_element_type_5)
-return [convert_element_type_1, convert_element_type_3, convert_element_type_5]""")
+return [convert_element_type_1, convert_element_type_3, convert_element_type_5]""",
+        )
         self.assertRewrites(gm, fuse_collective_casts)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[3, 4] = input
 arg1_1: f32[5] = input
 arg2_1: f32[2, 2] = input
@@ -72,11 +77,14 @@ convert_element_type_5: f32[2, 2] = prims.convert_element_type(view_default_1, f
 copy_: f32[3, 4] = aten.copy_(arg0_1, convert_element_type_1)
 copy__1: f32[5] = aten.copy_(arg1_1, convert_element_type_3)
 copy__2: f32[2, 2] = aten.copy_(arg2_1, convert_element_type_5)
-return [convert_element_type_1, convert_element_type_3, convert_element_type_5]""")
+return [convert_element_type_1, convert_element_type_3, convert_element_type_5]""",
+        )
 
     def test_fp16_buckets_with_its_divisions_inside(self):
         gm = ddp_graph("fp16", [(4,), (6,)], world_size=8)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[4] = input
 arg1_1: f32[6] = input
 sin: f32[4] = aten.sin(arg0_1)
@@ -95,9 +103,12 @@ div_3: f16[6] = aten.div(wait_tensor_1, 2.0)
 convert_element_type_3: f32[6] = prims.convert_element_type(div_3, f32)
 copy_: f32[4] = aten.copy_(arg0_1, convert_element_type_1)
 copy__1: f32[6] = aten.copy_(arg1_1, convert_element_type_3)
-return [convert_element_type_1, convert_element_type_3]""")
+return [convert_element_type_1, convert_element_type_3]""",
+        )
         self.assertRewrites(gm, fuse_collective_casts)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[4] = input
 arg1_1: f32[6] = input
 sin: f32[4] = aten.sin(arg0_1)
@@ -118,7 +129,8 @@ div_3: f16[6] = aten.div(getitem_1, 2.0)
 convert_element_type_3: f32[6] = prims.convert_element_type(div_3, f32)
 copy_: f32[4] = aten.copy_(arg0_1, convert_element_type_1)
 copy__1: f32[6] = aten.copy_(arg1_1, convert_element_type_3)
-return [convert_element_type_1, convert_element_type_3]""")
+return [convert_element_type_1, convert_element_type_3]""",
+        )
 
     def test_bucket_caps_split_buckets(self):
         # 6 gradients of 256 KiB in bf16: a first bucket of 0.5 MiB, then one of up to 1 MiB
@@ -150,9 +162,13 @@ return [convert_element_type_1, convert_element_type_3]""")
             hook(b, ob)
             return oa, ob
 
-        gm = trace(fn, torch.randn(12), torch.empty(6), torch.randn(4, 2), torch.empty(2, 2), world_size=2)
+        gm = trace(
+            fn, torch.randn(12), torch.empty(6), torch.randn(4, 2), torch.empty(2, 2), world_size=2
+        )
         fold_collective_scaling(gm.graph)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[12] = input
 oa_1: f32[6] = input
 b_1: f32[4, 2] = input
@@ -170,9 +186,12 @@ view_3: bf16[2, 2] = aten.view(wait_tensor_1, [2, 2])
 convert_element_type_3: f32[2, 2] = prims.convert_element_type(view_3, f32)
 copy_: f32[6] = aten.copy_(oa_1, convert_element_type_1)
 copy__1: f32[2, 2] = aten.copy_(ob_1, convert_element_type_3)
-return [convert_element_type_1, convert_element_type_3]""")
+return [convert_element_type_1, convert_element_type_3]""",
+        )
         self.assertRewrites(gm, fuse_collective_casts)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[12] = input
 oa_1: f32[6] = input
 b_1: f32[4, 2] = input
@@ -195,7 +214,8 @@ view_3: bf16[2, 2] = aten.view(getitem_1, [2, 2])
 convert_element_type_3: f32[2, 2] = prims.convert_element_type(view_3, f32)
 copy_: f32[6] = aten.copy_(oa_1, convert_element_type_1)
 copy__1: f32[2, 2] = aten.copy_(ob_1, convert_element_type_3)
-return [convert_element_type_1, convert_element_type_3]""")
+return [convert_element_type_1, convert_element_type_3]""",
+        )
 
     # --- left alone ---------------------------------------------------------------------
 
@@ -256,7 +276,11 @@ return [convert_element_type_1, convert_element_type_3]""")
         def fn(a, b, c, d, e, f):
             outs = []
             for x, group in ((a, None), (b, None), (c, sub), (d, None), (e, None), (f, sub)):
-                outs.append(all_reduce(torch.sin(x).to(torch.bfloat16), "avg", group or dist.group.WORLD).float())
+                outs.append(
+                    all_reduce(
+                        torch.sin(x).to(torch.bfloat16), "avg", group or dist.group.WORLD
+                    ).float()
+                )
             return outs
 
         gm = trace(fn, *[torch.randn(4) for _ in range(6)], world_size=4)

@@ -24,7 +24,9 @@ def _grads(scaled_loss, net, rank, step):
 
 def _run(rank, scaler_cls, opt_cls, compiled=False):
     net = _net()
-    opt = opt_cls(net.parameters(), lr=0.01, **({"momentum": 0.9} if opt_cls is torch.optim.SGD else {}))
+    opt = opt_cls(
+        net.parameters(), lr=0.01, **({"momentum": 0.9} if opt_cls is torch.optim.SGD else {})
+    )
     scaler = scaler_cls(device="cpu", init_scale=2.0**10, growth_interval=INTERVAL)
 
     def scaled_loss(x, y):
@@ -49,7 +51,10 @@ def _run(rank, scaler_cls, opt_cls, compiled=False):
 def equality_worker(rank, world_size):
     out = {}
     for opt_cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-        out[opt_cls.__name__] = (_run(rank, ShardedGradScaler, opt_cls), _run(rank, TorchScaler, opt_cls))
+        out[opt_cls.__name__] = (
+            _run(rank, ShardedGradScaler, opt_cls),
+            _run(rank, TorchScaler, opt_cls),
+        )
     return out
 
 
@@ -64,7 +69,12 @@ def test_matches_torch_sharded_grad_scaler(world_size):
     for rank, out in enumerate(ranks):
         for name, (ours, theirs) in out.items():
             # an inf on one rank: every rank skips and halves; INTERVAL clean steps: doubles
-            assert _scales(ours) == _scales(theirs) == expected, (rank, name, _scales(ours), _scales(theirs))
+            assert _scales(ours) == _scales(theirs) == expected, (
+                rank,
+                name,
+                _scales(ours),
+                _scales(theirs),
+            )
             for step, ((_, a), (_, b)) in enumerate(zip(ours, theirs)):
                 for pa, pb in zip(a, b):
                     assert torch.equal(pa, pb), f"rank {rank} {name} step {step}"
@@ -86,7 +96,9 @@ def compiled_worker(rank, world_size):
 @pytest.mark.slow
 def test_compiled_fullgraph_step_matches_eager():
     for compiled, eager, graphs in run_ranks(compiled_worker, 2, timeout=400):
-        assert graphs >= 2  # Dynamo compiled forward and step (fullgraph: no break, or it would have raised)
+        assert (
+            graphs >= 2
+        )  # Dynamo compiled forward and step (fullgraph: no break, or it would have raised)
         assert _scales(compiled) == _scales(eager)
         for (_, a), (_, b) in zip(compiled, eager):
             for x, y in zip(a, b):
@@ -115,7 +127,9 @@ def fsdp2_worker(rank, world_size):
                 next(net.parameters()).grad.to_local()[0, 0] = float("nan")
             scaler.step(opt)
             scaler.update()
-            history.append((scaler.get_scale(), [p.to_local().detach().clone() for p in net.parameters()]))
+            history.append(
+                (scaler.get_scale(), [p.to_local().detach().clone() for p in net.parameters()])
+            )
         out.append(history)
     return out
 
@@ -137,12 +151,17 @@ def test_misuse_errors():
         scaler.unscale_(opt)
     scaler.scale(net(torch.ones(1, 2)).sum()).backward()
     scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called on this optimizer since the last update"):
+    with pytest.raises(
+        RuntimeError,
+        match="unscale_\\(\\) has already been called on this optimizer since the last update",
+    ):
         scaler.unscale_(opt)
     scaler.step(opt)
     with pytest.raises(RuntimeError, match="unscale_\\(\\) is being called after step\\(\\)"):
         scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match="step\\(\\) has already been called since the last update"):
+    with pytest.raises(
+        RuntimeError, match="step\\(\\) has already been called since the last update"
+    ):
         scaler.step(opt)
     scaler.update()
     with pytest.raises(RuntimeError, match="No inf checks were recorded prior to update"):
@@ -160,8 +179,13 @@ def test_misuse_errors():
     with pytest.raises(RuntimeError, match="source state dict is empty"):
         scaler.load_state_dict({})
     state = scaler.state_dict()
-    assert state == {"scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
-                     "_growth_tracker": 1}
+    assert state == {
+        "scale": 2.0**16,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 1,
+    }
     other = ShardedGradScaler(device="cpu", process_group=None)
     other.load_state_dict(state)
     assert other.state_dict() == state
@@ -173,7 +197,9 @@ def test_disabled_is_a_pass_through():
     assert scaler.scale(t) is t and scaler.get_scale() == 1.0 and scaler.state_dict() == {}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: scale on the GPU, gradients on CPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: scale on the GPU, gradients on CPU"
+)
 def test_cpu_offloaded_gradients_with_scale_on_gpu():
     net = torch.nn.Linear(4, 4)  # parameters and gradients stay on CPU (FSDP's CPU offload)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

@@ -17,7 +17,9 @@ EAGER_HOOK = {"fp16": eager.fp16_compress_hook, "bf16": eager.bf16_compress_hook
 def _grads(rank, world_size, shapes=SHAPES):
     g = torch.Generator().manual_seed(1234 + rank)
     # a wide range of magnitudes, so the pre/post split and the casts matter
-    return [torch.randn(s, generator=g) * 10.0 ** torch.randint(-3, 4, s, generator=g) for s in shapes]
+    return [
+        torch.randn(s, generator=g) * 10.0 ** torch.randint(-3, 4, s, generator=g) for s in shapes
+    ]
 
 
 def _recipe(world_size, grads_all, wire, pre, post):
@@ -60,7 +62,11 @@ def numerics_worker(rank, world_size):
             HOOK[name](lp, ours)
             orig = g.clone()
             EAGER_HOOK[name](eager.LowPrecisionState(group), orig)
-            out[f"{name}_allreduce/{i}"] = (ours, _recipe(world_size, gathered, wire, pre, post), orig)
+            out[f"{name}_allreduce/{i}"] = (
+                ours,
+                _recipe(world_size, gathered, wire, pre, post),
+                orig,
+            )
 
             shard = torch.empty(flat.numel() // world_size)
             HOOK[name](lp, flat.clone(), shard)
@@ -93,7 +99,9 @@ def test_hook_numerics(world_size):
                 # gloo's summation order is its own: within the wire dtype's rounding
                 torch.testing.assert_close(ours, ref, **TOL[wire], msg=f"rank {rank} {key}")
             # and the eager original (patched to run on CPU) agrees to the same tolerance
-            torch.testing.assert_close(ours, orig[0], **TOL[wire], msg=f"rank {rank} {key} vs eager")
+            torch.testing.assert_close(
+                ours, orig[0], **TOL[wire], msg=f"rank {rank} {key} vs eager"
+            )
     # every rank holds the same all-reduced gradient
     for key in per_rank[0]:
         if "reduce_scatter" not in key:

@@ -9,7 +9,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("compiled_hooks", "passes")
 # Modules of passes that are not a pass: the pipeline, shared helpers (a leading underscore), the
 # pass declarations, the verifier, graph text and the test helpers.
-NOT_PASSES = {"passes", "passes.pipeline", "passes.verify", "passes.graph_text", "passes.interface", "passes.testing"}
+NOT_PASSES = {
+    "passes",
+    "passes.pipeline",
+    "passes.verify",
+    "passes.graph_text",
+    "passes.interface",
+    "passes.testing",
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -31,8 +38,13 @@ def _imports(name: str, source: str, is_package: bool, modules: set[str]) -> set
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1]
+                    + ([base] if base else [])
+                )
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
         else:
             continue
         for target in targets:
@@ -45,8 +57,10 @@ def _imports(name: str, source: str, is_package: bool, modules: set[str]) -> set
 
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, path.read_text(), path.name == "__init__.py", set(modules))
-            for name, path in modules.items()}
+    return {
+        name: _imports(name, path.read_text(), path.name == "__init__.py", set(modules))
+        for name, path in modules.items()
+    }
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -59,7 +73,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state:
                 found = visit(n)
                 if found:
@@ -78,17 +92,28 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_compiled_hooks_never_imports_passes():
     graph = import_graph()
-    assert {m: sorted(i for i in imps if i.startswith("passes"))
-            for m, imps in graph.items() if m.startswith("compiled_hooks") and
-            any(i.startswith("passes") for i in imps)} == {}
+    assert {
+        m: sorted(i for i in imps if i.startswith("passes"))
+        for m, imps in graph.items()
+        if m.startswith("compiled_hooks") and any(i.startswith("passes") for i in imps)
+    } == {}
 
 
 def test_no_pass_imports_another_pass_or_the_test_helpers():
     graph = import_graph()
-    passes = {m for m in graph if m.startswith("passes.") and m not in NOT_PASSES
-              and not m.rpartition(".")[2].startswith("_")}
+    passes = {
+        m
+        for m in graph
+        if m.startswith("passes.")
+        and m not in NOT_PASSES
+        and not m.rpartition(".")[2].startswith("_")
+    }
     assert len(passes) >= 15
-    assert {m: sorted(graph[m] & (passes | {"passes.testing"})) for m in passes if graph[m] & (passes | {"passes.testing"})} == {}
+    assert {
+        m: sorted(graph[m] & (passes | {"passes.testing"}))
+        for m in passes
+        if graph[m] & (passes | {"passes.testing"})
+    } == {}
     production = [m for m in graph if m != "passes.testing"]
     assert [m for m in production if "passes.testing" in graph[m] and m != "passes"] == []
 
@@ -99,9 +124,14 @@ def test_no_import_cycle():
 
 def test_the_walk_sees_function_level_and_relative_imports():
     graph = import_graph()
-    assert "compiled_hooks.compat" in graph["compiled_hooks.ops"]  # from . import compat, rank_guard
+    assert (
+        "compiled_hooks.compat" in graph["compiled_hooks.ops"]
+    )  # from . import compat, rank_guard
     assert "compiled_hooks.rank_guard" in graph["compiled_hooks.ops"]
     assert "compiled_hooks.compat" in graph["compiled_hooks.fsdp.fsdp2"]  # from .. import compat
     source = "def f():\n    from passes import rank_guard\n    import compiled_hooks.zero.layout\n"
-    assert _imports("compiled_hooks.ops", source, False, set(graph)) == {"passes", "compiled_hooks.zero.layout"}
+    assert _imports("compiled_hooks.ops", source, False, set(graph)) == {
+        "passes",
+        "compiled_hooks.zero.layout",
+    }
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

@@ -16,29 +16,41 @@ from tests.passcase import PassTestCase
 
 
 def _record(gm) -> dict:
-    (check,) = [n for n in gm.graph.nodes if n.target is torch.ops.compiled_hooks.check_ranks.default]
+    (check,) = [
+        n for n in gm.graph.nodes if n.target is torch.ops.compiled_hooks.check_ranks.default
+    ]
     return json.loads(check.args[0])
 
 
 class TestInsertRankGuard(PassTestCase):
     def test_snapshot(self):
-        gm = trace(lambda a: fc.all_reduce(a * 2, "sum", dist.group.WORLD) + 1, torch.randn(4), world_size=2)
-        self.assertExpectedInline(graph_str(gm), """\
+        gm = trace(
+            lambda a: fc.all_reduce(a * 2, "sum", dist.group.WORLD) + 1,
+            torch.randn(4),
+            world_size=2,
+        )
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[4] = input
 mul: f32[4] = aten.mul(a_1, 2)
 all_reduce: f32[4] = c10d.all_reduce(mul, 'sum', group(size=2))
 wait_tensor: f32[4] = c10d.wait_tensor(all_reduce)
 add: f32[4] = aten.add(wait_tensor, 1)
-return add""")
+return add""",
+        )
         self.assertRewrites(gm, insert_rank_guard)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[4] = input
 check_ranks_default:  = compiled_hooks.check_ranks('{"0":[["all_reduce",["sum"],["float32",[4]],""]]}')
 mul: f32[4] = aten.mul(a_1, 2)
 all_reduce: f32[4] = c10d.all_reduce(mul, 'sum', group(size=2))
 wait_tensor: f32[4] = c10d.wait_tensor(all_reduce)
 add: f32[4] = aten.add(wait_tensor, 1)
-return add""")
+return add""",
+        )
 
     @pytest.mark.filterwarnings("ignore:.*reduce_scatter_tensor. is deprecated")
     def test_check_goes_first_and_records_every_collective_in_order(self):
@@ -51,11 +63,14 @@ return add""")
         self.assertRewrites(gm, insert_rank_guard)
         record = _record(gm)
         self.assertEqual(list(record), [dist.group.WORLD.group_name])
-        self.assertEqual([e[:3] for e in record[dist.group.WORLD.group_name]], [
-            ["all_reduce", ["avg"], ["float32", [4]]],
-            ["reduce_scatter_tensor", ["sum", "4"], ["bfloat16", [16]]],
-            ["broadcast", ["3"], ["bfloat16", [4]]],
-        ])
+        self.assertEqual(
+            [e[:3] for e in record[dist.group.WORLD.group_name]],
+            [
+                ["all_reduce", ["avg"], ["float32", [4]]],
+                ["reduce_scatter_tensor", ["sum", "4"], ["bfloat16", [16]]],
+                ["broadcast", ["3"], ["bfloat16", [4]]],
+            ],
+        )
         first_non_input = next(n for n in gm.graph.nodes if n.op != "placeholder")
         self.assertIs(first_non_input.target, torch.ops.compiled_hooks.check_ranks.default)
 
@@ -87,14 +102,19 @@ return add""")
 def test_check_ranks_option(monkeypatch, fake_pg):
     assert not default_pipeline().check_ranks
     assert default_pipeline(check_ranks=True).check_ranks
-    assert default_pipeline().uuid() != default_pipeline(check_ranks=True).uuid()  # FX graph cache key
+    assert (
+        default_pipeline().uuid() != default_pipeline(check_ranks=True).uuid()
+    )  # FX graph cache key
     assert "check_ranks=True" in repr(default_pipeline(check_ranks=True))
     monkeypatch.setenv("PASSES_CHECK_RANKS", "1")
     assert default_pipeline().check_ranks and not default_pipeline(check_ranks=False).check_ranks
     with install() as pipeline:
         assert pipeline.check_ranks
     monkeypatch.setenv("PASSES_CHECK_RANKS", "yes please")
-    with pytest.raises(ValueError, match=r"environment variable PASSES_CHECK_RANKS='yes please': expected 1, 0, true or false"):
+    with pytest.raises(
+        ValueError,
+        match=r"environment variable PASSES_CHECK_RANKS='yes please': expected 1, 0, true or false",
+    ):
         default_pipeline()
     monkeypatch.delenv("PASSES_CHECK_RANKS")
     with pytest.raises(TypeError, match="check_ranks must be True, False or None"):
@@ -114,5 +134,7 @@ def test_fast_path_is_a_lookup_on_groups_with_nothing_to_compare(fake_pg):
     insert_rank_guard(gm.graph)
     gm.recompile()
     record = _record(gm)
-    torch.ops.compiled_hooks.check_ranks(json.dumps(record))  # a fake group: nothing to compare with
+    torch.ops.compiled_hooks.check_ranks(
+        json.dumps(record)
+    )  # a fake group: nothing to compare with
     torch.ops.compiled_hooks.check_ranks(json.dumps(record))

@@ -18,7 +18,11 @@ SHAPES = [(33, 7), (64,), (5, 4, 3), (1,)]
 def _cases(world_size):
     for kind in ("fp32", "bf16", "fp16"):
         for sharded in (False, True):
-            yield f"hook/{kind}/{'rs' if sharded else 'ar'}", hook_fn(kind, sharded), hook_args(sharded, world_size, 40)
+            yield (
+                f"hook/{kind}/{'rs' if sharded else 'ar'}",
+                hook_fn(kind, sharded),
+                hook_args(sharded, world_size, 40),
+            )
         yield f"ddp/{kind}", ddp_fn(kind), ddp_args(SHAPES)
 
 
@@ -37,7 +41,10 @@ def numerics_worker(rank, world_size):
         changes = []
         # gloo implements avg (a sum, then a division pass): the default leaves it out for speed
         # only, so the fold into avg is checked on gloo's real collectives here
-        for graph_pass, options in ((fold_collective_scaling, {"avg_backends": {"gloo"}}), (fuse_collective_casts, {})):
+        for graph_pass, options in (
+            (fold_collective_scaling, {"avg_backends": {"gloo"}}),
+            (fuse_collective_casts, {}),
+        ):
             changes.append(graph_pass(gm.graph, **options))
             gm.recompile()
             results[f"{name}/{graph_pass.__name__}"] = (before, _run(gm, args), changes[-1])
@@ -52,7 +59,10 @@ def test_rewritten_graphs_compute_the_same_values(world_size):
     per_rank = run_ranks(numerics_worker, world_size)
     rewrites = {key: changed for key, (_, _, changed) in per_rank[0].items()}
     # the cases exercise the rewrites: every fold except fp16, every ddp-shaped fuse except fp32
-    assert rewrites["hook/bf16/ar/fold_collective_scaling"] and rewrites["hook/fp32/rs/fold_collective_scaling"]
+    assert (
+        rewrites["hook/bf16/ar/fold_collective_scaling"]
+        and rewrites["hook/fp32/rs/fold_collective_scaling"]
+    )
     assert not rewrites["hook/fp16/ar/fold_collective_scaling"]
     assert rewrites["ddp/bf16/fuse_collective_casts"] and rewrites["ddp/fp16/fuse_collective_casts"]
     assert not rewrites["ddp/fp32/fuse_collective_casts"]

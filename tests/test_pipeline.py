@@ -8,7 +8,13 @@ from torch._inductor.utils import fresh_cache
 
 import passes
 from compiled_hooks import compat
-from passes import Pipeline, default_pipeline, fold_collective_scaling, fuse_collective_casts, install
+from passes import (
+    Pipeline,
+    default_pipeline,
+    fold_collective_scaling,
+    fuse_collective_casts,
+    install,
+)
 from passes.testing import fake_process_group
 from tests.graphs import hook_fn
 
@@ -23,9 +29,13 @@ def test_options_reach_the_passes_that_take_them():
 
 
 def test_a_pipeline_in_a_declared_wrong_order_is_refused_by_name():
-    with pytest.raises(passes.PassOrderError, match=r"fuse_cat_prologue must run after fuse_collective_casts"):
+    with pytest.raises(
+        passes.PassOrderError, match=r"fuse_cat_prologue must run after fuse_collective_casts"
+    ):
         Pipeline([fold_collective_scaling, passes.fuse_cat_prologue, fuse_collective_casts])
-    with pytest.raises(passes.PassOrderError, match=r"insert_rank_guard must run after schedule_collectives"):
+    with pytest.raises(
+        passes.PassOrderError, match=r"insert_rank_guard must run after schedule_collectives"
+    ):
         Pipeline([passes.insert_rank_guard, passes.schedule_collectives])
     Pipeline([passes.fuse_cat_prologue])  # an order constrains only the passes a pipeline holds
     default_pipeline(shard_weight_update=True)  # the default order keeps every declaration
@@ -40,7 +50,10 @@ def test_every_pass_declares_its_interface():
             interface = fn.interface
             assert interface.name == name and interface_of(fn) is interface
             assert set(interface.after) <= set(passes.__all__), interface.after
-    assert passes.fuse_collective_casts.interface.option_names == {"bucket_cap_mb", "first_bucket_cap_mb"}
+    assert passes.fuse_collective_casts.interface.option_names == {
+        "bucket_cap_mb",
+        "first_bucket_cap_mb",
+    }
 
 
 def test_a_declaration_that_disagrees_with_its_function_is_refused():
@@ -52,7 +65,11 @@ def test_a_declaration_that_disagrees_with_its_function_is_refused():
     class Options:
         cap: int = 2
 
-    with pytest.raises(TypeError, match=r"my_pass's keyword parameters \{'cap': 3\} differ from its options \{'cap': 2\}"):
+    with pytest.raises(
+        TypeError,
+        match=r"my_pass's keyword parameters \{'cap': 3\} differ from its options \{'cap': 2\}",
+    ):
+
         @graph_pass(options=Options)
         def my_pass(graph, cap=3):
             return False
@@ -64,7 +81,9 @@ def test_install_takes_options_for_the_default_pipeline():
     assert inductor_config.post_grad_custom_post_pass is None
     with pytest.raises(ValueError, match=r"no pass takes option\(s\) \['bucket_cap'\]"):
         install(options={"bucket_cap": 3.0})
-    assert inductor_config.post_grad_custom_post_pass is None  # refused before anything was installed
+    assert (
+        inductor_config.post_grad_custom_post_pass is None
+    )  # refused before anything was installed
     with pytest.raises(ValueError, match="pass options= to the Pipeline you give"):
         install(Pipeline([fold_collective_scaling]), options={"avg_backends": ("nccl",)})
 
@@ -73,15 +92,19 @@ def test_uuid_follows_passes_and_options():
     assert default_pipeline().uuid() == default_pipeline().uuid()
     assert default_pipeline().uuid() != default_pipeline(bucket_cap_mb=10.0).uuid()
     assert default_pipeline().uuid() != Pipeline([fold_collective_scaling]).uuid()
-    assert Pipeline([fold_collective_scaling, passes.bucket_block_all_gathers]).uuid() != Pipeline(
-        [passes.bucket_block_all_gathers, fold_collective_scaling]).uuid()
+    assert (
+        Pipeline([fold_collective_scaling, passes.bucket_block_all_gathers]).uuid()
+        != Pipeline([passes.bucket_block_all_gathers, fold_collective_scaling]).uuid()
+    )
 
 
 def test_install_restores_previous_config():
     assert inductor_config.post_grad_custom_post_pass is None
     with install() as pipeline:
         assert inductor_config.post_grad_custom_post_pass is pipeline
-        with install(Pipeline([fold_collective_scaling])) as inner:  # a pipeline may replace a pipeline
+        with install(
+            Pipeline([fold_collective_scaling])
+        ) as inner:  # a pipeline may replace a pipeline
             assert inductor_config.post_grad_custom_post_pass is inner
         assert inductor_config.post_grad_custom_post_pass is pipeline
     assert inductor_config.post_grad_custom_post_pass is None
@@ -112,9 +135,13 @@ def test_install_runs_after_the_users_own_custom_pass_and_leaves_it_alone_on_exi
             counters["passes"].clear()
             torch.compile(hook_fn("bf16", sharded=False), fullgraph=True)(torch.randn(64))
         assert inductor_config.post_grad_custom_post_pass is users_pass  # back, alone
-        assert seen and seen[0][0] == "user" and seen[0][1] > 0  # the user's pass ran (before the fold)
-        assert any(k.startswith("fold_collective_scaling") and "skipped" not in k for k in counters["passes"]), \
-            dict(counters["passes"])  # and the pipeline ran too
+        assert (
+            seen and seen[0][0] == "user" and seen[0][1] > 0
+        )  # the user's pass ran (before the fold)
+        assert any(
+            k.startswith("fold_collective_scaling") and "skipped" not in k
+            for k in counters["passes"]
+        ), dict(counters["passes"])  # and the pipeline ran too
         with install() as outer:
             with install() as inner:  # a pipeline replaces a pipeline, the user's pass stays
                 assert installed() == [users_pass, inner]
@@ -129,8 +156,18 @@ def test_install_runs_after_the_users_own_custom_pass_and_leaves_it_alone_on_exi
         inductor_config.post_grad_custom_post_pass = None
 
 
-@pytest.mark.parametrize("value, verify", [("1", True), ("true", True), ("TRUE", True), ("0", False),
-                                           ("false", False), ("", False), (None, False)])
+@pytest.mark.parametrize(
+    "value, verify",
+    [
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        ("0", False),
+        ("false", False),
+        ("", False),
+        (None, False),
+    ],
+)
 def test_environment_flags_parse_one_way(monkeypatch, value, verify):
     for name in ("PASSES_VERIFY", "PASSES_CHECK_RANKS"):
         monkeypatch.delenv(name, raising=False)
@@ -143,7 +180,9 @@ def test_environment_flags_parse_one_way(monkeypatch, value, verify):
 @pytest.mark.parametrize("name", ["PASSES_VERIFY", "PASSES_CHECK_RANKS"])
 def test_environment_flag_with_another_value_names_the_variable(monkeypatch, name):
     monkeypatch.setenv(name, "maybe")
-    with pytest.raises(ValueError, match=f"environment variable {name}='maybe': expected 1, 0, true or false"):
+    with pytest.raises(
+        ValueError, match=f"environment variable {name}='maybe': expected 1, 0, true or false"
+    ):
         default_pipeline()
 
 
@@ -162,13 +201,25 @@ def test_fx_graph_cache_entries_follow_pipeline_options():
     with fresh_cache(), inductor_config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
         assert compile_once(default_pipeline()) == (0, 1)
         assert compile_once(default_pipeline()) == (1, 0)  # same options: same entry
-        assert compile_once(default_pipeline(bucket_cap_mb=5.0)) == (0, 1)  # other options: new entry
-        assert compile_once(Pipeline([fold_collective_scaling])) == (0, 1)  # other passes: new entry
+        assert compile_once(default_pipeline(bucket_cap_mb=5.0)) == (
+            0,
+            1,
+        )  # other options: new entry
+        assert compile_once(Pipeline([fold_collective_scaling])) == (
+            0,
+            1,
+        )  # other passes: new entry
 
 
 def test_package_exports():
-    assert set(passes.__all__) >= {"fold_collective_scaling", "fuse_collective_casts", "Pipeline",
-                                   "default_pipeline", "install", "testing"}
+    assert set(passes.__all__) >= {
+        "fold_collective_scaling",
+        "fuse_collective_casts",
+        "Pipeline",
+        "default_pipeline",
+        "install",
+        "testing",
+    }
 
 
 def test_an_unsorted_graph_is_sorted_before_the_passes():
@@ -184,7 +235,7 @@ def test_an_unsorted_graph_is_sorted_before_the_passes():
     first_user = next(iter(first_wait.users))
     first_wait.append(first_user)  # valid: right after its input ...
     last = [n for n in gm.graph.nodes if n.op != "output"][-1]
-    last.append(first_wait)        # ... now the wait comes after its user
+    last.append(first_wait)  # ... now the wait comes after its user
     with pytest.raises(RuntimeError, match="used before it has been defined"):
         gm.graph.lint()
     assert default_pipeline().run(gm.graph)
@@ -205,7 +256,9 @@ def test_install_keeps_the_communication_schedule_unless_the_process_set_its_own
     assert inductor_config.reorder_for_compute_comm_overlap_passes == []
     assert inductor_config.reorder_for_peak_memory
     own = ["sink_waits_iterative"]
-    with inductor_config.patch(reorder_for_compute_comm_overlap=True, reorder_for_compute_comm_overlap_passes=own):
+    with inductor_config.patch(
+        reorder_for_compute_comm_overlap=True, reorder_for_compute_comm_overlap_passes=own
+    ):
         with install():
             assert inductor_config.reorder_for_compute_comm_overlap_passes == own
 
@@ -226,27 +279,30 @@ def test_run_reports_pass_times():
 
 @pytest.mark.slow
 def test_torch_logs_shows_the_passes_decisions(tmp_path):
-    """``TORCH_LOGS="+passes"`` (docs/passes.md): every decision, and one summary line per compile."""
+    """``TORCH_LOGS="+passes"`` (docs/passes.md): every decision, and a summary line per compile."""
     import os
     import subprocess
     import sys
 
     script = tmp_path / "step.py"
     script.write_text(
-        "import torch, torch.distributed as dist\n"
-        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
-        "import compiled_hooks as ch, passes\n"
-        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=8)\n"
-        "state = ch.LowPrecisionState(dist.group.WORLD)\n"
-        "def step(a, b):\n"
-        "    ch.bf16_compress_hook(state, a); ch.bf16_compress_hook(state, b)\n"
-        "with passes.install():\n"
-        "    torch.compile(step, fullgraph=True)(torch.randn(64), torch.randn(32))\n")
+        "import torch, torch.distributed as dist\nfrom "
+        "torch.testing._internal.distributed.fake_pg import FakeStore\nimport compiled_hooks as "
+        "ch, passes\ndist.init_process_group('fake', store=FakeStore(), rank=0, "
+        "world_size=8)\nstate = ch.LowPrecisionState(dist.group.WORLD)\ndef step(a, b):\n    "
+        "ch.bf16_compress_hook(state, a); ch.bf16_compress_hook(state, b)\nwith "
+        "passes.install():\n    torch.compile(step, fullgraph=True)(torch.randn(64), "
+        "torch.randn(32))\n"
+    )
     env = {**os.environ, "TORCH_LOGS": "+passes", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stderr
-    assert log.count("fold_collective_scaling: folded factors into reduce op avg at all_reduce") == 2, log[-3000:]
+    assert (
+        log.count("fold_collective_scaling: folded factors into reduce op avg at all_reduce") == 2
+    ), log[-3000:]
     summary = [line for line in log.splitlines() if "] passes: " in line]
     assert len(summary) == 1, log[-3000:]
     assert "fuse_collective_casts: bucketed 2 collectives into one (x1)" in summary[0], summary

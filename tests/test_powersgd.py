@@ -1,4 +1,5 @@
-"""compiled_hooks.powersgd: PowerSGD against a plain single-process reference, eager and compiled."""
+"""compiled_hooks.powersgd: PowerSGD against a plain single-process reference, eager and
+compiled."""
 
 import pytest
 import torch
@@ -16,8 +17,13 @@ START, STEPS, RANK = 2, 6, 2
 def _net():
     torch.manual_seed(0)
     # 32x16 and 32x32 compress at rank 2; the 4x32 head and every bias do not.
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )
 
 
 def _batch(rank, step):
@@ -40,15 +46,21 @@ class Reference:
     def __init__(self, shapes, slots, world_size, rank, ef=True, warm=True, seed=0, min_rate=2):
         self.world_size, self.rank, self.ef, self.warm, self.seed = world_size, rank, ef, warm, seed
         self.slots, self.step = slots, 0
-        self.compress = [len(s) > 1 and (s[0] + s.numel() // s[0]) * min(rank, s[0], s.numel() // s[0]) * min_rate
-                         < s.numel() for s in shapes]
+        self.compress = [
+            len(s) > 1
+            and (s[0] + s.numel() // s[0]) * min(rank, s[0], s.numel() // s[0]) * min_rate
+            < s.numel()
+            for s in shapes
+        ]
         self.q = {}
         self.err = {}
 
     def _q(self, i, shape):
         if not self.warm or i not in self.q:
             n, m = shape[0], shape.numel() // shape[0]
-            self.q[i] = random_q(self.seed, self.slots[i], self.step, (m, min(n, m, self.rank)), torch.float32)
+            self.q[i] = random_q(
+                self.seed, self.slots[i], self.step, (m, min(n, m, self.rank)), torch.float32
+            )
         return torch.linalg.qr(self.q[i]).Q
 
     def average(self, grads_per_rank):
@@ -80,8 +92,13 @@ def _train(rank, world_size, mode, steps=STEPS, ef=True, warm=True):
     if mode != "cpp_reducer":
         torch._dynamo.config.optimize_ddp = "python_reducer"
     net = _net()
-    state = PowerSGDState(dist.group.WORLD, matrix_approximation_rank=RANK, start_powerSGD_iter=START,
-                          use_error_feedback=ef, warm_start=warm)
+    state = PowerSGDState(
+        dist.group.WORLD,
+        matrix_approximation_rank=RANK,
+        start_powerSGD_iter=START,
+        use_error_feedback=ef,
+        warm_start=warm,
+    )
     if mode == "compiled":
         _, model = ch.compile_ddp(net, state, powerSGD_hook)
     else:
@@ -93,7 +110,8 @@ def _train(rank, world_size, mode, steps=STEPS, ef=True, warm=True):
     history = []
     for step in range(steps):
         local = [None] * world_size
-        for r in range(world_size if step < STEPS else 0):  # every rank's local gradients, for the reference
+        # every rank's local gradients, for the reference
+        for r in range(world_size if step < STEPS else 0):
             ref_net = _net()
             ref_net.load_state_dict(net.state_dict())
             local[r] = _local_grads(ref_net, r, step)
@@ -120,8 +138,10 @@ def _check(ranks, world_size, steps=STEPS, ef=True, warm=True):
     for step, (grads, local) in enumerate(history0):
         expected = ref.average(local)
         for i, (g, e) in enumerate(zip(grads, expected)):
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step} param {i}: {m}")
-    for rank, (history, params, _, _, _) in enumerate(ranks):
+            torch.testing.assert_close(
+                g, e, rtol=1e-4, atol=1e-6, msg=lambda m, at=f"step {step} param {i}": f"{at}: {m}"
+            )
+    for rank, (_, params, _, _, _) in enumerate(ranks):
         for a, b in zip(params, params0):
             assert torch.equal(a, b), f"rank {rank} parameters differ from rank 0's"
 
@@ -161,40 +181,45 @@ def test_compiled_backward_code_has_one_all_reduce_per_bucket():
     buffer, and P Q^T is never stored."""
     from torch._inductor.utils import run_and_get_code
 
-    from tests.conftest import fake_process_group
+    from passes.testing import fake_process_group
 
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    with fake_process_group(2):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())])
-        state = PowerSGDState(dist.group.WORLD, matrix_approximation_rank=2, start_powerSGD_iter=2)
-        _, model = ch.compile_ddp(net, state, powerSGD_hook)
-        for p in net.parameters():
-            p.grad = torch.zeros_like(p)
-        x = torch.randn(8, 64)
+    fake_process_group(2)  # removed after the test (conftest)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        *[m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())]
+    )
+    state = PowerSGDState(dist.group.WORLD, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    _, model = ch.compile_ddp(net, state, powerSGD_hook)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(8, 64)
 
-        def step():
-            with passes.install(), ch.compiled_autograd():
-                model(x).square().mean().backward()
+    def step():
+        with passes.install(), ch.compiled_autograd():
+            model(x).square().mean().backward()
 
-        for _ in range(2):  # uncompressed; the second step recompiles once (the state learnt the slots)
-            step()
-        assert state.compressing and counters["compiled_autograd"]["captures"] >= 1
-        _, codes = run_and_get_code(step)  # the first compressed step: compiled once more
-        step()  # (run_and_get_code's own config patch may cost one more compile)
-        graphs = counters["stats"]["unique_graphs"]
-        for _ in range(3):
-            step()
+    # uncompressed; the second step recompiles once (the state learnt the slots)
+    for _ in range(2):
+        step()
+    assert state.compressing and counters["compiled_autograd"]["captures"] >= 1
+    _, codes = run_and_get_code(step)  # the first compressed step: compiled once more
+    step()  # (run_and_get_code's own config patch may cost one more compile)
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        step()
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == graphs  # no recompiles once compression runs
     backward = next(c for c in codes if "powersgd_count" in c)
-    call = backward[backward.index("def call("):]
+    call = backward[backward.index("def call(") :]
     assert call.count("_c10d_functional.all_reduce_.default(") == 3, call
     assert call.count("powersgd_count.default(") == 8  # every parameter counted
     assert call.count("empty_strided_cpu((64, 64)") == 1, call
-    assert call.count("powersgd_fold_error.default(arg") == 4, call  # onto the error buffers, graph inputs
+    assert call.count("powersgd_fold_error.default(arg") == 4, (
+        call
+    )  # onto the error buffers, graph inputs
 
 
 def _quality_worker(rank, world_size, steps):
@@ -231,10 +256,14 @@ def _quality_worker(rank, world_size, steps):
 
     args = dict(matrix_approximation_rank=4, start_powerSGD_iter=5)
     ours = ch.ddp_comm_hook(powerSGD_hook)
-    return {"fp32": run(),
-            "ours": run(PowerSGDState(dist.group.WORLD, **args), ours),
-            "ours without error feedback": run(PowerSGDState(dist.group.WORLD, use_error_feedback=False, **args), ours),
-            "torch": run(torch_psgd.PowerSGDState(dist.group.WORLD, **args), torch_psgd.powerSGD_hook)}
+    return {
+        "fp32": run(),
+        "ours": run(PowerSGDState(dist.group.WORLD, **args), ours),
+        "ours without error feedback": run(
+            PowerSGDState(dist.group.WORLD, use_error_feedback=False, **args), ours
+        ),
+        "torch": run(torch_psgd.PowerSGDState(dist.group.WORLD, **args), torch_psgd.powerSGD_hook),
+    }
 
 
 @pytest.mark.slow
@@ -247,8 +276,12 @@ def test_training_quality_against_fp32_and_torch():
     pytest.importorskip("numpy", reason="torch's PowerSGDState needs numpy (a test dependency)")
     loss = run_ranks(_quality_worker, 2, 40)[0]
     final = {k: v[-1] for k, v in loss.items()}
-    assert final["ours"] <= 1.10 * final["fp32"], final  # not worse than uncompressed by more than 10%
-    assert final["ours without error feedback"] > 10 * final["ours"], final  # error feedback is what makes it work
+    assert final["ours"] <= 1.10 * final["fp32"], (
+        final
+    )  # not worse than uncompressed by more than 10%
+    assert final["ours without error feedback"] > 10 * final["ours"], (
+        final
+    )  # error feedback is what makes it work
     for step, (ours, theirs) in enumerate(zip(loss["ours"], loss["torch"])):
         assert abs(ours - theirs) <= 0.03 * theirs, (step, ours, theirs)
     ours, theirs = sum(loss["ours"][-5:]), sum(loss["torch"][-5:])
@@ -262,15 +295,22 @@ def test_state_takes_every_value_torchs_takes(fake_pg):
 
     assert not _should_compress(torch.Size([4, 4]), 1, 2)[0]  # (4 + 4) * 1 * 2 = 16: not < 16
     assert _should_compress(torch.Size([4, 4]), 1, 0)[0]
-    state = PowerSGDState(fake_pg, start_powerSGD_iter=0, use_error_feedback=False, warm_start=False,
-                          min_compression_rate=0, orthogonalization_epsilon=-1e-8)
+    state = PowerSGDState(
+        fake_pg,
+        start_powerSGD_iter=0,
+        use_error_feedback=False,
+        warm_start=False,
+        min_compression_rate=0,
+        orthogonalization_epsilon=-1e-8,
+    )
     grad = torch.randn(4, 4)
     powerSGD_hook(state, grad)
     rate, before, after = state.compression_stats()
     assert (before, after) == (16, 8) and rate == 2.0  # the 4 x 4 gradient went out as P and Q
     with pytest.raises(TypeError, match="min_compression_rate must be a number, got '2'"):
         PowerSGDState(fake_pg, start_powerSGD_iter=2, min_compression_rate="2")
-    with pytest.raises(ValueError, match="matrix_approximation_rank must be >= 1"):  # torch: P of 0 columns
+    # torch: P of 0 columns
+    with pytest.raises(ValueError, match="matrix_approximation_rank must be >= 1"):
         PowerSGDState(fake_pg, start_powerSGD_iter=2, matrix_approximation_rank=0)
 
 

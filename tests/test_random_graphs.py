@@ -27,7 +27,9 @@ def _pipelines(rng):
         "fold_collective_scaling": passes.Pipeline([passes.fold_collective_scaling]),
         "fuse_collective_casts": passes.Pipeline([passes.fuse_collective_casts], **opts),
         "default_pipeline": passes.default_pipeline(**opts),
-        "default_pipeline + shard_weight_update": passes.default_pipeline(shard_weight_update=True, **opts),
+        "default_pipeline + shard_weight_update": passes.default_pipeline(
+            shard_weight_update=True, **opts
+        ),
     }
 
 
@@ -49,20 +51,28 @@ def test_random_graphs():
             try:
                 changed = pipeline.run(graph)
                 if changed:
-                    assert check_rewrite(name, gm.graph, graph, seed=i), f"{context}: could not be verified"
+                    assert check_rewrite(name, gm.graph, graph, seed=i), (
+                        f"{context}: could not be verified"
+                    )
                     tally["rewritten"] += 1
                 else:
-                    assert graph_str(graph) == graph_str(gm.graph), f"{context}: changed but said it did not"
+                    assert graph_str(graph) == graph_str(gm.graph), (
+                        f"{context}: changed but said it did not"
+                    )
                     tally["unchanged"] += 1
                 if name.startswith("default_pipeline"):
                     problems = schedule_problems(graph)
                     assert not problems, f"{context}: not scheduled: {problems}"
                 text = graph_str(graph)
-                assert not pipeline.run(graph) and graph_str(graph) == text, f"{context}: not idempotent"
+                assert not pipeline.run(graph) and graph_str(graph) == text, (
+                    f"{context}: not idempotent"
+                )
             except AssertionError as e:
                 raise AssertionError(f"{context}\n{e}") from None
     skipped = {k: v for k, v in counters["passes"].items() if "verify skipped" in k}
     assert not skipped, skipped
-    SUMMARY.append(f"randomized pass test: seed {SEED}, {tally['graphs']} graphs x 4 pipelines: "
-                   f"{tally['rewritten']} rewrites verified, {tally['unchanged']} left unchanged")
+    SUMMARY.append(
+        f"randomized pass test: seed {SEED}, {tally['graphs']} graphs x 4 pipelines: "
+        f"{tally['rewritten']} rewrites verified, {tally['unchanged']} left unchanged"
+    )
     assert tally["rewritten"] > COUNT // 2  # the generator really exercises the passes

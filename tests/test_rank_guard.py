@@ -69,8 +69,11 @@ def test_guard_raises_on_every_rank(world_size):
     outcomes = rank_outcomes(_diverge_all, world_size, timeout=240, teardown=False)
     for rank, o in enumerate(outcomes):
         assert o.status == "ok" and o.exitcode == 0, (rank, o)
-    for case, expected in [("order", "all_reduce(sum) float32[4]"), ("size", "all_reduce(sum) float32[9]"),
-                           ("recompile", "all_reduce(sum) float32[16]")]:
+    for case, expected in [
+        ("order", "all_reduce(sum) float32[4]"),
+        ("size", "all_reduce(sum) float32[9]"),
+        ("recompile", "all_reduce(sum) float32[16]"),
+    ]:
         messages = set()
         for rank, o in enumerate(outcomes):
             name, message, seconds = o.result[case]
@@ -78,7 +81,9 @@ def test_guard_raises_on_every_rank(world_size):
             assert seconds < 60, (case, rank, seconds)
             messages.add(message)
         (message,) = messages  # every rank names the same difference
-        assert "rank 1: " + expected in message and "rank 0: all_reduce(sum) float32[8]" in message, message
+        assert (
+            "rank 1: " + expected in message and "rank 0: all_reduce(sum) float32[8]" in message
+        ), message
         assert "test_rank_guard.py" in message, message  # the user's source line
 
 
@@ -91,7 +96,9 @@ def test_without_the_guard_gloo_aborts_or_times_out(case, world_size):
     # group's timeout (10 s here, 30 min by default); no rank can tell which collective differed
     stuck = [o for o in outcomes if o.status in ("died", "hung") or "Timed out" in str(o.result[1])]
     assert stuck, outcomes
-    assert not any(o.status == "ok" and o.result[0] == "RankDivergenceError" for o in outcomes), outcomes
+    assert not any(o.status == "ok" and o.result[0] == "RankDivergenceError" for o in outcomes), (
+        outcomes
+    )
 
 
 def _agree(rank: int, world_size: int, cache_dirs: list):
@@ -102,19 +109,32 @@ def _agree(rank: int, world_size: int, cache_dirs: list):
 
     @torch.compile(dynamic=False)
     def step(a, b):
-        return fc.all_reduce(a, "sum", dist.group.WORLD) + 1, fc.all_reduce(b * rank, "sum", dist.group.WORLD)
+        return fc.all_reduce(a, "sum", dist.group.WORLD) + 1, fc.all_reduce(
+            b * rank, "sum", dist.group.WORLD
+        )
 
     with passes.install(check_ranks=True):
         outs = [step(torch.ones(8), torch.ones(4)) for _ in range(4)]
     inductor = counters["inductor"]
-    return ([o.tolist() for o in outs[-1]], inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"],
-            counters["rank_guard"]["graphs checked"])
+    return (
+        [o.tolist() for o in outs[-1]],
+        inductor["fxgraph_cache_hit"],
+        inductor["fxgraph_cache_miss"],
+        counters["rank_guard"]["graphs checked"],
+    )
 
 
 def test_no_false_positive_when_one_rank_hits_the_fx_graph_cache(tmp_path):
     warm, cold = str(tmp_path / "warm"), str(tmp_path / "cold")
     run_ranks(_agree, 2, [warm, warm])  # fills the cache rank 0 uses next
-    (out0, hits0, misses0, checked0), (out1, hits1, misses1, checked1) = run_ranks(_agree, 2, [warm, cold])
-    assert (hits0, misses0) == (1, 0) and (hits1, misses1) == (0, 1), (hits0, misses0, hits1, misses1)
+    (out0, hits0, misses0, checked0), (out1, hits1, misses1, checked1) = run_ranks(
+        _agree, 2, [warm, cold]
+    )
+    assert (hits0, misses0) == (1, 0) and (hits1, misses1) == (0, 1), (
+        hits0,
+        misses0,
+        hits1,
+        misses1,
+    )
     assert checked0 == checked1 == 1  # the cached graph carries its check, and it passed
     assert out0 == out1 == [[3.0] * 8, [1.0] * 4]

@@ -24,7 +24,9 @@ class TestReinplaceBroadcasts(PassTestCase):
         gm = trace(fn, torch.randn(3), torch.randn(2), world_size=2)
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, reinplace_broadcasts)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 a_1: f32[3] = input
 b_1: f32[2] = input
 mul: f32[3] = aten.mul(a_1, 2)
@@ -33,12 +35,14 @@ cat: f32[5] = aten.cat([mul, mul_1])
 broadcast: f32[5] = c10d.broadcast_(cat, 0, group(size=2))
 wait_tensor: f32[5] = c10d.wait_tensor(broadcast)
 add: f32[5] = aten.add(wait_tensor, 1)
-return add""")
+return add""",
+        )
         self.assertTrue(check_rewrite("reinplace_broadcasts", before, gm.graph))
 
     def test_owner_broadcasts_of_packed_values(self):
         """Per-owner broadcasts of packed new values (as the ZeRO hooks issued them before they
         broadcast every rank's row) on 2 and 4 ranks: each runs in place; values unchanged."""
+
         def step(a, b, c):
             first = c10d.wait_tensor(c10d.broadcast(torch.cat([a * 2, b * 2]), 0, "0"))
             second = c10d.wait_tensor(c10d.broadcast(torch.cat([c - 1, c + 1]), 1, "0"))
@@ -59,8 +63,11 @@ return add""")
         def graph_input(a):
             return c10d.wait_tensor(c10d.broadcast(a, 0, "0")) + a
 
-        self.assertUntouched(trace(read_twice, torch.randn(3), torch.randn(2), world_size=2), reinplace_broadcasts,
-                             "another user")
+        self.assertUntouched(
+            trace(read_twice, torch.randn(3), torch.randn(2), world_size=2),
+            reinplace_broadcasts,
+            "another user",
+        )
         gm = trace(graph_input, torch.randn(3), world_size=2)
         text = graph_str(gm)
         self.assertFalse(reinplace_broadcasts(gm.graph))

@@ -12,16 +12,19 @@ import compiled_hooks as ch
 import passes
 from passes import fold_collective_scaling, schedule_collectives
 from passes.schedule_collectives import schedule_problems
-from passes.testing import graph_str, trace
+from passes.testing import fake_process_group, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
-from tests.conftest import fake_process_group
 from tests.graphs import ddp_args, ddp_fn
 from tests.passcase import PassTestCase
 
 
 def collectives(graph):
-    return [(n.target, str(n.args[1:])) for n in graph.nodes
-            if getattr(n.target, "namespace", None) == "_c10d_functional" and "wait" not in str(n.target)]
+    return [
+        (n.target, str(n.args[1:]))
+        for n in graph.nodes
+        if getattr(n.target, "namespace", None) == "_c10d_functional"
+        and "wait" not in str(n.target)
+    ]
 
 
 class TestSchedule(PassTestCase):
@@ -30,11 +33,17 @@ class TestSchedule(PassTestCase):
         gm = trace(ddp_fn("bf16"), *ddp_args([(3, 4), (5,)]), world_size=2)
         fold_collective_scaling(gm.graph)
         before = copy_graph(gm.graph)
-        self.assertEqual(sorted(schedule_problems(gm.graph)), [
-            "wait_tensor waits before sin_1, which does not use its result",
-            "wait_tensor_1 waits before copy_, which does not use its result"])
+        self.assertEqual(
+            sorted(schedule_problems(gm.graph)),
+            [
+                "wait_tensor waits before sin_1, which does not use its result",
+                "wait_tensor_1 waits before copy_, which does not use its result",
+            ],
+        )
         self.assertRewrites(gm, schedule_collectives)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[3, 4] = input
 arg1_1: f32[5] = input
 sin: f32[3, 4] = aten.sin(arg0_1)
@@ -49,7 +58,8 @@ copy_: f32[3, 4] = aten.copy_(arg0_1, convert_element_type_1)
 wait_tensor_1: bf16[5] = c10d.wait_tensor(all_reduce_1)
 convert_element_type_3: f32[5] = prims.convert_element_type(wait_tensor_1, f32)
 copy__1: f32[5] = aten.copy_(arg1_1, convert_element_type_3)
-return [convert_element_type_1, convert_element_type_3]""")
+return [convert_element_type_1, convert_element_type_3]""",
+        )
         self.assertEqual(schedule_problems(gm.graph), [])
         self.assertTrue(check_rewrite("schedule_collectives", before, gm.graph))
 
@@ -67,7 +77,9 @@ return [convert_element_type_1, convert_element_type_3]""")
         self.assertRewrites(gm, schedule_collectives)
         self.assertEqual(collectives(gm.graph), order)
         text = graph_str(gm)
-        self.assertExpectedInline(text, """\
+        self.assertExpectedInline(
+            text,
+            """\
 a_1: f32[4] = input
 b_1: f32[4] = input
 c_1: f32[3, 3] = input
@@ -82,15 +94,22 @@ wait_tensor: f32[4] = c10d.wait_tensor(all_reduce)
 add: f32[4] = aten.add(wait_tensor, 1)
 wait_tensor_1: f32[4] = c10d.wait_tensor(all_reduce_1)
 add_1: f32[4] = aten.add(wait_tensor_1, 1)
-return [add, add_1, mm]""")
+return [add, add_1, mm]""",
+        )
 
     def test_collective_stays_after_a_mutation(self):
         _ = trace(lambda: None, world_size=2)
-        gm = trace(lambda a, b: all_reduce(torch.sin(a) + b, "sum", dist.group.WORLD), torch.randn(4), torch.randn(4),
-                   world_size=2)
+        gm = trace(
+            lambda a, b: all_reduce(torch.sin(a) + b, "sum", dist.group.WORLD),
+            torch.randn(4),
+            torch.randn(4),
+            world_size=2,
+        )
         graph = gm.graph
         a, b = [n for n in graph.nodes if n.op == "placeholder"]
-        coll = next(n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default)
+        coll = next(
+            n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+        )
         with graph.inserting_before(coll):  # a write the collective might read through an alias
             write = graph.call_function(torch.ops.aten.copy_.default, (a, b))
         write.meta["val"] = a.meta["val"]
@@ -107,24 +126,26 @@ def test_compiled_ddp_backward_overlaps_every_bucket_but_the_last():
     """Inductor's generated backward, with the passes installed: every bucket but the last is
     issued before the last gradient matmul, and every wait comes after it (in a DDP backward no
     gradient depends on a bucket's result, so any earlier wait would stall unrelated work)."""
-    with fake_process_group(2):
-        torch.manual_seed(0)
-        net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU())])
-        _, model = ch.compile_ddp(net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
-        for p in net.parameters():
-            p.grad = torch.zeros_like(p)
-        x = torch.randn(8, 64)
+    fake_process_group(2)  # removed after the test (conftest)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU())])
+    _, model = ch.compile_ddp(net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(8, 64)
 
-        def step():
-            with passes.install(passes.default_pipeline(bucket_cap_mb=0.01, first_bucket_cap_mb=0.01)), \
-                    ch.compiled_autograd():
-                model(x).square().mean().backward()
+    def step():
+        with (
+            passes.install(passes.default_pipeline(bucket_cap_mb=0.01, first_bucket_cap_mb=0.01)),
+            ch.compiled_autograd(),
+        ):
+            model(x).square().mean().backward()
 
-        from torch._inductor.utils import run_and_get_code
+    from torch._inductor.utils import run_and_get_code
 
-        _, codes = run_and_get_code(step)
+    _, codes = run_and_get_code(step)
     backward = next(c for c in codes if "all_reduce_" in c)
-    call = backward[backward.index("def call("):]
+    call = backward[backward.index("def call(") :]
     issues = _code_positions(call, r"_c10d_functional\.all_reduce_\.")
     waits = _code_positions(call, r"_c10d_functional\.wait_tensor\.")
     grads = _code_positions(call, r"extern_kernels\.(addmm|mm)\(")

@@ -15,7 +15,11 @@ def test_factors_match_eager_original(world_size):
 
 def test_states_read_group(fake_pg):
     s = DefaultState(fake_pg)
-    assert (s.world_size, s.gradient_predivide_factor, s.gradient_postdivide_factor) == (8, 4.0, 2.0)
+    assert (s.world_size, s.gradient_predivide_factor, s.gradient_postdivide_factor) == (
+        8,
+        4.0,
+        2.0,
+    )
     lp = LowPrecisionState(fake_pg)
     assert lp.parameter_type is torch.float32 and lp.world_size == 8
     assert LowPrecisionState(fake_pg, torch.bfloat16).parameter_type is torch.bfloat16
@@ -23,7 +27,9 @@ def test_states_read_group(fake_pg):
 
 
 def test_missing_group_is_refused():
-    with pytest.raises(ValueError, match="Expected to pass in an explicit ProcessGroup to DefaultState"):
+    with pytest.raises(
+        ValueError, match="Expected to pass in an explicit ProcessGroup to DefaultState"
+    ):
         DefaultState(None)
     with pytest.raises(ValueError, match="explicit ProcessGroup to LowPrecisionState"):
         LowPrecisionState(None)

@@ -51,8 +51,10 @@ def test_wrong_pass_in_a_ddp_graph_is_caught():
     trace(lambda: None, world_size=4)
     gm = trace(ddp_fn("fp16"), *ddp_args([(8,), (3, 3), (5,)]), world_size=4)
     with pytest.raises(PassVerificationError, match="pass drop_a_division"):
-        Pipeline([passes.fold_collective_scaling, passes.fuse_collective_casts, drop_a_division],
-                 verify=True).run(gm.graph)
+        Pipeline(
+            [passes.fold_collective_scaling, passes.fuse_collective_casts, drop_a_division],
+            verify=True,
+        ).run(gm.graph)
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp16"])

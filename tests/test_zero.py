@@ -6,13 +6,18 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import compiled_hooks as ch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 import passes
-from compiled_hooks.zero import (ZeroOptimizer, ZeroStep, assign_whole_parameters, hook_with_zero_step,
-                                  hook_with_zero_step_interleaved)
+from compiled_hooks.zero import (
+    ZeroOptimizer,
+    ZeroStep,
+    assign_whole_parameters,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+)
 from tests.ranks import run_ranks
 
 STEPS = 5
@@ -30,22 +35,32 @@ SCHEDULES = {"after_backward": hook_with_zero_step, "interleaved": hook_with_zer
 def _net():
     torch.manual_seed(0)
     # sizes chosen so neither whole-parameter assignment nor padding is trivial
-    return torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.Tanh(), torch.nn.Linear(30, 17), torch.nn.Tanh(),
-                               torch.nn.Linear(17, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 30),
+        torch.nn.Tanh(),
+        torch.nn.Linear(30, 17),
+        torch.nn.Tanh(),
+        torch.nn.Linear(17, 3),
+    )
 
 
 def _even_net():
     """Sizes whose ZeRO bucket (DDP's 0.001 MB cap) has owner rows within 5% of equal on 2 and 4
     ranks, so it is laid out for the sharded update (``ZeroOptimizer.plan_buckets``)."""
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(12, 9)] + [m for _ in range(3) for m in (torch.nn.Tanh(), torch.nn.Linear(9, 9))]
+    layers = [torch.nn.Linear(12, 9)] + [
+        m for _ in range(3) for m in (torch.nn.Tanh(), torch.nn.Linear(9, 9))
+    ]
     return torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(9, 3, bias=False))
 
 
 class _Affine(torch.nn.Module):
     def __init__(self, n):
         super().__init__()
-        self.weight, self.bias = torch.nn.Parameter(torch.ones(n)), torch.nn.Parameter(torch.zeros(n))
+        self.weight, self.bias = (
+            torch.nn.Parameter(torch.ones(n)),
+            torch.nn.Parameter(torch.zeros(n)),
+        )
 
     def forward(self, x):
         return x * self.weight + self.bias
@@ -60,7 +75,8 @@ def _tails_net():
     layers = []
     for j, (a, b) in enumerate(zip(dims, dims[1:])):
         layers.append(torch.nn.Linear(a, b))
-        if j < 3:  # LayerNorm's parameters, without its ill-conditioned normalization over 3 features
+        # LayerNorm's parameters, without its ill-conditioned normalization over 3 features
+        if j < 3:
             layers += [torch.nn.Tanh(), _Affine(b)]
     return torch.nn.Sequential(*layers)
 
@@ -104,7 +120,8 @@ def _consolidated(zero, rank, world_size):
 def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", python_reducer=False):
     """For each (optimizer, schedule, shard_buckets): parameters after each step, state bytes,
     and when compiled (``compiler``: "aot_eager", or "inductor" with the default pipeline and
-    shard_weight_update forced on gloo for shard_buckets) the code of every graph Dynamo captured, the graph breaks
+    shard_weight_update forced on gloo for shard_buckets) the code of every graph Dynamo captured,
+    the graph breaks
     and what the passes did. Eager: DDP's C++ reducer, or its python reducer."""
     compiled = compiler is not None
     torch._dynamo.config.optimize_ddp = "python_reducer" if compiled or python_reducer else True
@@ -119,21 +136,27 @@ def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", pyt
         torch._dynamo.utils.counters.clear()
         codes = []
 
-        def backend(gm, example_inputs):
+        def backend(gm, example_inputs, codes=codes):
             codes.append(gm.code)
             return compile_fn(gm, example_inputs)
+
         net = NETS[net_name]()
         cls, kw = OPTIMIZERS[opt_name]
         zero = ZeroOptimizer(net.parameters(), cls, shard_buckets=shard, **kw)
         ddp = DDP(net, bucket_cap_mb=0.001)  # several buckets in eager mode
-        ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD),
-                               SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard))
+        ddp.register_comm_hook(
+            ch.DefaultState(dist.group.WORLD),
+            SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard),
+        )
         model = torch.compile(ddp, backend=backend) if compiled else ddp
         history = []
         # shard_buckets: shard_weight_update forced on gloo (reduce_scatter + all_gather); whole
         # parameters: the default pipeline (all_to_all_weight_update), in chunks of 16 floats
-        pipeline = (passes.default_pipeline(shard_weight_update=True, shard_backends=("gloo", "fake")) if shard
-                    else passes.default_pipeline(all_to_all_chunk_bytes=64))
+        pipeline = (
+            passes.default_pipeline(shard_weight_update=True, shard_backends=("gloo", "fake"))
+            if shard
+            else passes.default_pipeline(all_to_all_chunk_bytes=64)
+        )
         with passes.install(pipeline):
             for step in range(STEPS):
                 zero.zero_grad()
@@ -147,18 +170,30 @@ def zero_worker(rank, world_size, configs, compiler=None, net_name="uneven", pyt
         restored = ZeroOptimizer(NETS[net_name]().parameters(), cls, shard_buckets=shard, **kw)
         restored.load_state_dict(state_dict)
         out[(opt_name, schedule, shard)] = dict(
-            history=history, state_bytes=zero.state_bytes(), state_dict=state_dict,
+            history=history,
+            state_bytes=zero.state_bytes(),
+            state_dict=state_dict,
             restored=_consolidated(restored, rank, world_size),
-            total=sum(p.numel() for p in net.parameters()), largest=max(p.numel() for p in net.parameters()),
-            codes=codes, breaks=dict(torch._dynamo.utils.counters["graph_break"]),
-            # parameters in buckets updated over this rank's row only (plan_buckets, _own_row_buckets)
-            own_row_params=0 if shard or not zero.storage.uniform_steps else sum(map(len, zero._row_buckets)),
+            total=sum(p.numel() for p in net.parameters()),
+            largest=max(p.numel() for p in net.parameters()),
+            codes=codes,
+            breaks=dict(torch._dynamo.utils.counters["graph_break"]),
+            # parameters in buckets updated over this rank's row only (plan_buckets,
+            # _own_row_buckets)
+            own_row_params=0
+            if shard or not zero.storage.uniform_steps
+            else sum(map(len, zero._row_buckets)),
             buckets=len(list(zero.storage.planned_runs())),
             # members outside the planned buckets whose state lies in a planned bucket's run
-            tails_used=0 if shard else sum(run.start <= lo < run.start + run.length
-                                           for run in zero.storage.runs.values()
-                                           for i, pieces in enumerate(zero.storage.pieces)
-                                           if i not in zero.storage.bucket_of for lo, _ in pieces),
+            tails_used=0
+            if shard
+            else sum(
+                run.start <= lo < run.start + run.length
+                for run in zero.storage.runs.values()
+                for i, pieces in enumerate(zero.storage.pieces)
+                if i not in zero.storage.bucket_of
+                for lo, _ in pieces
+            ),
             passes=dict(torch._dynamo.utils.counters["passes"]),
         )
     return out
@@ -176,25 +211,45 @@ def check(outcomes, world_size, net="uneven"):
             got = out[key]
             for step, (params, ref) in enumerate(zip(got["history"], ref_history)):
                 for i, (a, b) in enumerate(zip(params, ref)):
-                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{key} rank {rank} step {step} param {i}")
+                    torch.testing.assert_close(
+                        a, b, rtol=1e-6, atol=1e-7, msg=f"{key} rank {rank} step {step} param {i}"
+                    )
                     # bitwise identical across ranks
-                    assert torch.equal(a, outcomes[0][key]["history"][step][i]), (key, rank, step, i)
+                    assert torch.equal(a, outcomes[0][key]["history"][step][i]), (
+                        key,
+                        rank,
+                        step,
+                        i,
+                    )
             # parameters change from the very first step
-            assert not any(torch.equal(a, b) for a, b in zip(got["history"][0], NETS[net]().parameters())), key
+            assert not any(
+                torch.equal(a, b) for a, b in zip(got["history"][0], NETS[net]().parameters())
+            ), key
             # consolidated state equals torch's
             for i, st in ref_state["state"].items():
                 for k, v in st.items():
-                    torch.testing.assert_close(got["state_dict"]["state"][i][k].float(), v.float(), rtol=1e-5,
-                                               atol=1e-7, msg=f"{key} state {i} {k}")
+                    torch.testing.assert_close(
+                        got["state_dict"]["state"][i][k].float(),
+                        v.float(),
+                        rtol=1e-5,
+                        atol=1e-7,
+                        msg=f"{key} state {i} {k}",
+                    )
             # a checkpoint restores the same state, every rank taking its part
             for i, st in got["state_dict"]["state"].items():
                 for k, v in st.items():
                     assert torch.equal(got["restored"]["state"][i][k], v), (key, i, k)
-            # memory: within 10% of total/N (+ the largest parameter when whole parameters are assigned)
+            # memory: within 10% of total/N (+ the largest parameter when whole parameters are
+            # assigned)
             per_element = len([k for k in ref_state["state"][0] if k != "step"])
             share = per_element * 4 * got["total"] / world_size
             slack = 0 if key[2] else per_element * 4 * got["largest"]
-            assert got["state_bytes"] <= 1.1 * share + slack, (key, got["state_bytes"], share, slack)
+            assert got["state_bytes"] <= 1.1 * share + slack, (
+                key,
+                got["state_bytes"],
+                share,
+                slack,
+            )
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -217,20 +272,33 @@ def test_compiled_ddp_matches_unsharded_optimizer(world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
 def test_sharded_update_matches_unsharded_optimizer(world_size, compiled):
     """Whole parameters, a bucket laid out for the sharded update (each rank computes its own
     row's update only, every rank applies the broadcast rows) whose shorter rows' tails hold
     the state of the other bucket's members: the python reducer's ZeRO hooks, eager and
     compiled (aot_eager), against torch's optimizer."""
-    outcomes = run_ranks(zero_worker, world_size, OWN_ROW, "aot_eager" if compiled else None, "tails", True,
-                         timeout=600)
+    outcomes = run_ranks(
+        zero_worker,
+        world_size,
+        OWN_ROW,
+        "aot_eager" if compiled else None,
+        "tails",
+        True,
+        timeout=600,
+    )
     check(outcomes, world_size, "tails")
     for key, got in outcomes[0].items():
-        assert got["buckets"] == 1 and 0 < got["own_row_params"] < len(list(_tails_net().parameters())), key
+        assert got["buckets"] == 1 and 0 < got["own_row_params"] < len(
+            list(_tails_net().parameters())
+        ), key
         assert got["tails_used"], key
         if compiled:
-            assert got["breaks"] == {} and len([c for c in got["codes"] if "broadcast" in c]) == 1, key
+            assert (
+                got["breaks"] == {} and len([c for c in got["codes"] if "broadcast" in c]) == 1
+            ), key
 
 
 def test_whole_parameter_assignment_is_balanced():
@@ -258,7 +326,9 @@ def test_state_layout_keeps_the_buffers_size(world_size):
     from train_ddp import TinyTransformer
 
     rng = random.Random(world_size)
-    cases = [([p.numel() for p in TinyTransformer(dim=256, layers=4).parameters()], 2**20, 4 * 2**20)]
+    cases = [
+        ([p.numel() for p in TinyTransformer(dim=256, layers=4).parameters()], 2**20, 4 * 2**20)
+    ]
     for _ in range(60):  # blocks of a few repeated sizes, as in a model; caps of a few members
         block = [rng.choice([1, 3, 8, 64, 100, 300, 1000]) for _ in range(rng.randint(1, 5))]
         numels = [rng.choice([1, 16, 200])] + block * rng.randint(1, 8)
@@ -266,13 +336,19 @@ def test_state_layout_keeps_the_buffers_size(world_size):
     runs_seen = tails_seen = 0
     for numels, first_cap, cap in cases:
         zero = zero_optimizer(world_size, [(n,) for n in numels], torch.optim.SGD)
-        planned = ZeroStep(None, zero, interleaved=False, bucket_bytes=cap, first_bucket_bytes=first_cap).planned
+        planned = ZeroStep(
+            None, zero, interleaved=False, bucket_bytes=cap, first_bucket_bytes=first_cap
+        ).planned
         layout = lay_out_state(numels, zero.owner, planned, world_size)
         runs, pieces, size = layout.runs, layout.pieces, layout.size
-        load = [sum(n for n, r in zip(numels, zero.owner) if r == rank) for rank in range(world_size)]
+        load = [
+            sum(n for n, r in zip(numels, zero.owner) if r == rank) for rank in range(world_size)
+        ]
         assert size == max(load), (numels, size, load)
         for rank in range(world_size):
-            mine = sorted(piece for i, ps in enumerate(pieces) if zero.owner[i] == rank for piece in ps)
+            mine = sorted(
+                piece for i, ps in enumerate(pieces) if zero.owner[i] == rank for piece in ps
+            )
             assert all(lo + n <= nxt for (lo, n), (nxt, _) in zip(mine, mine[1:])), (numels, rank)
             assert not mine or mine[-1][0] + mine[-1][1] <= size
         assert [sum(n for _, n in ps) for ps in pieces] == numels
@@ -281,10 +357,16 @@ def test_state_layout_keeps_the_buffers_size(world_size):
             start, length = run.start, run.length
             rows = owner_rows([numels[i] for i in key], [zero.owner[i] for i in key], world_size)
             place, used = rows.place, rows.lengths
-            assert [pieces[i] for i in key] == [[(start + at, numels[i])] for i, (_, at) in zip(key, place)]
+            assert [pieces[i] for i in key] == [
+                [(start + at, numels[i])] for i, (_, at) in zip(key, place)
+            ]
             assert max(used) == length and sum(used) == sum(numels[i] for i in key)
-            tails_seen += any(start <= lo < start + length for i, ps in enumerate(pieces) if i not in in_runs
-                              for lo, _ in ps)
+            tails_seen += any(
+                start <= lo < start + length
+                for i, ps in enumerate(pieces)
+                if i not in in_runs
+                for lo, _ in ps
+            )
         runs_seen += len(runs)
     assert runs_seen and tails_seen, (runs_seen, tails_seen)
 
@@ -310,8 +392,13 @@ def test_a_gradient_out_of_the_planned_order_delays_its_bucket():
     zero = zero_optimizer(2, [(4,), (4,), (3,), (3,), (2,), (2,), (4,)], torch.optim.SGD)
     zero.storage.owners[:] = [0, 0, 1, 0, 1, 1, 0]
     closed = []
-    core = ZeroStep(lambda state, flat: closed.append(flat.numel()), zero, interleaved=False, bucket_bytes=16,
-                    first_bucket_bytes=16)
+    core = ZeroStep(
+        lambda state, flat: closed.append(flat.numel()),
+        zero,
+        interleaved=False,
+        bucket_bytes=16,
+        first_bucket_bytes=16,
+    )
     for i in [6, 5, 3, 2]:  # 3 and 2 (the second bucket) before 4: nothing closes yet
         core.add(None, i, torch.ones_like(zero.params[i]))
     assert closed == []
@@ -338,14 +425,22 @@ def test_traced_whole_parameter_step_writes_each_state_in_place_and_bias_terms_o
     zero = zero_optimizer(2, [(8,), (4, 4), (16,), (3,)], torch.optim.Adam, weight_decay=0.01)
     fn, args = zero_step_fn(zero, "fp32", interleaved=True, bucket_bytes=10**6)  # one bucket
     gm = trace(fn, *args(), world_size=2)
-    ops = Counter(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function")
+    ops = Counter(
+        getattr(n.target, "__name__", str(n.target))
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    )
     assert not [op for op in ops if "scatter" in op or op.startswith("pow")], ops
-    assert ops["index_put.default"] == 4 * 2 + 1, ops  # 4 members x (exp_avg, exp_avg_sq), the step counts
+    assert ops["index_put.default"] == 4 * 2 + 1, (
+        ops
+    )  # 4 members x (exp_avg, exp_avg_sq), the step counts
     assert ops["exp.default"] == 2, ops  # beta1**t and beta2**t, for the whole bucket
 
 
-@pytest.mark.parametrize("optimizer, kw", [(torch.optim.AdamW, dict(weight_decay=0.1)),
-                                           (torch.optim.SGD, dict(momentum=0.9))])
+@pytest.mark.parametrize(
+    "optimizer, kw",
+    [(torch.optim.AdamW, dict(weight_decay=0.1)), (torch.optim.SGD, dict(momentum=0.9))],
+)
 def test_traced_whole_parameter_step_computes_only_this_ranks_row(optimizer, kw):
     """Where the update reads the parameter only as ``param * decay - delta`` (AdamW; Adam and
     SGD without weight decay), a rank computes ``delta`` over its own row of the bucket alone:
@@ -359,19 +454,25 @@ def test_traced_whole_parameter_step_computes_only_this_ranks_row(optimizer, kw)
     shapes = [(8,), (4, 4), (16,), (3,), (6,)]
     zero = zero_optimizer(2, shapes, optimizer, **kw)
     fn, args = zero_step_fn(zero, "fp32", interleaved=False, bucket_bytes=10**6)  # one bucket
-    run, = zero.storage.runs.values()
+    (run,) = zero.storage.runs.values()
     start, length = run.start, run.length
     assert (start, length) == (0, 25)  # rows 16 + 8 + ... of the 49 elements: the longer row
     assert zero.state_bytes() == 4 * 25 * len(zero.storage.buffers) + 8 * len(shapes)
     gm = trace(fn, *args(), world_size=2)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     ops = Counter(getattr(n.target, "__name__", str(n.target)) for n in nodes)
-    assert ops["index_put.default"] == len(zero.storage.buffers) + 1, ops  # one slice per state, the step counts
+    assert ops["index_put.default"] == len(zero.storage.buffers) + 1, (
+        ops
+    )  # one slice per state, the step counts
     # the update: the arithmetic between reading the own row and broadcasting, over the row only
     # (the step scalars are one per member); before, every member's update, at its own size
     names = [getattr(n.target, "__name__", "") for n in nodes]
-    update = nodes[names.index("index.Tensor"):names.index("broadcast.default")]
-    sizes = {n.meta["val"].numel() for n in update if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor)}
+    update = nodes[names.index("index.Tensor") : names.index("broadcast.default")]
+    sizes = {
+        n.meta["val"].numel()
+        for n in update
+        if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor)
+    }
     assert max(sizes) == length and sizes <= {length, 1, len(shapes)}, sizes
 
 
@@ -389,22 +490,32 @@ def test_inductor_with_the_passes_matches_unsharded_optimizer():
         sharded, whole = out[configs[0]]["passes"], out[configs[1]]["passes"]
         print("SUMMARY inductor ZeRO pass counters:", sharded, whole)
         # DDP's 0.001 MB cap: the hooks plan 2 buckets of the 6 parameters (in reverse order)
-        assert sharded.get("shard_weight_update: all_reduce read in own slice -> reduce_scatter") == 2, sharded
+        assert (
+            sharded.get("shard_weight_update: all_reduce read in own slice -> reduce_scatter") == 2
+        ), sharded
         assert sharded.get("shard_weight_update: owner broadcasts -> all_gather") == 2, sharded
-        assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 2, sharded
-        # shard_buckets packs rank-major (a cat of [N, chunk] rows), which fuse_cat_prologue leaves alone
+        assert sharded.get("interleave_zero_broadcasts: update placed after its gradient") == 2, (
+            sharded
+        )
+        # shard_buckets packs rank-major (a cat of [N, chunk] rows), which fuse_cat_prologue leaves
+        # alone
         assert sharded.get("fuse_cat_prologue: skipped: a member is not 1-D") == 2, sharded
-        # whole parameters, on gloo by default: every bucket's exchange over all_to_all and all_gather
-        # (two buckets: the second layer's weight, owned alone, closes the first at twice its cap)
+        # whole parameters, on gloo by default: every bucket's exchange over all_to_all and
+        # all_gather (two buckets: the second layer's weight, owned alone, closes the first at twice
+        # its cap)
         assert not any(k.startswith("shard_weight_update") for k in whole), whole
-        assert whole.get("all_to_all_weight_update: all_reduce read in own row -> all_to_all") == 2, whole
+        assert (
+            whole.get("all_to_all_weight_update: all_reduce read in own row -> all_to_all") == 2
+        ), whole
         assert whole.get("all_to_all_weight_update: owner broadcasts -> all_gather") == 2, whole
         # the write-back reads the gathered chunks, not a join of the rows: one read per parameter
         assert whole.get("all_to_all_weight_update: row read from the gathered chunks") == 6, whole
         # gloo: every all_gather (several in flight) goes out as an all_to_all
         assert sharded.get("all_gather_as_all_to_all: all_gather -> all_to_all") == 2, sharded
         assert whole.get("all_gather_as_all_to_all: all_gather -> all_to_all", 0) >= 2, whole
-        assert not any(k.startswith("all_gather_as_all_to_all: skipped") for k in {**sharded, **whole}), (sharded, whole)
+        assert not any(
+            k.startswith("all_gather_as_all_to_all: skipped") for k in {**sharded, **whole}
+        ), (sharded, whole)
 
 
 @pytest.mark.slow
@@ -417,19 +528,37 @@ def test_inductor_sharded_update_with_the_passes_matches_unsharded_optimizer():
     check(outcomes, 2, "even")
     for out in outcomes:
         got = out[config]
-        assert got["own_row_params"] == sum(1 for _ in _even_net().parameters()), got["own_row_params"]
+        assert got["own_row_params"] == sum(1 for _ in _even_net().parameters()), got[
+            "own_row_params"
+        ]
         done = got["passes"]
-        assert done.get("all_to_all_weight_update: all_reduce read in own row -> all_to_all") == 1, done
+        assert (
+            done.get("all_to_all_weight_update: all_reduce read in own row -> all_to_all") == 1
+        ), done
         assert done.get("all_to_all_weight_update: row read from the gathered chunks", 0) >= 1, done
 
 
 SEED_HOOKS = {  # what a user of the original passes: (hook, state maker), DDP's reducer
-    "torch allreduce_hook": (lambda: ddp_default_hooks.allreduce_hook, lambda: dist.group.WORLD, "cpp"),
-    "torch fp16_compress_hook": (lambda: ddp_default_hooks.fp16_compress_hook, lambda: dist.group.WORLD, "cpp"),
-    "ddp_comm_hook(allreduce_hook)": (lambda: ch.ddp_comm_hook(ch.allreduce_hook),
-                                      lambda: ch.DefaultState(dist.group.WORLD), "cpp"),
+    "torch allreduce_hook": (
+        lambda: ddp_default_hooks.allreduce_hook,
+        lambda: dist.group.WORLD,
+        "cpp",
+    ),
+    "torch fp16_compress_hook": (
+        lambda: ddp_default_hooks.fp16_compress_hook,
+        lambda: dist.group.WORLD,
+        "cpp",
+    ),
+    "ddp_comm_hook(allreduce_hook)": (
+        lambda: ch.ddp_comm_hook(ch.allreduce_hook),
+        lambda: ch.DefaultState(dist.group.WORLD),
+        "cpp",
+    ),
     "ddp_comm_hook(bf16_compress_hook), python reducer": (
-        lambda: ch.ddp_comm_hook(ch.bf16_compress_hook), lambda: ch.LowPrecisionState(dist.group.WORLD), "python"),
+        lambda: ch.ddp_comm_hook(ch.bf16_compress_hook),
+        lambda: ch.LowPrecisionState(dist.group.WORLD),
+        "python",
+    ),
 }
 
 
@@ -437,7 +566,9 @@ def seed_hooks_worker(rank, world_size):
     """Per seed-style hook and schedule: ZeRO's parameters after each step, and those of plain
     DDP with the same hook registered directly and the unsharded optimizer."""
     out = {}
-    for (name, (make_hook, make_state, reducer)), schedule in itertools.product(SEED_HOOKS.items(), SCHEDULES):
+    for (name, (make_hook, make_state, reducer)), schedule in itertools.product(
+        SEED_HOOKS.items(), SCHEDULES
+    ):
         torch._dynamo.config.optimize_ddp = "python_reducer" if reducer == "python" else True
         runs = []
         for sharded in (True, False):
@@ -472,9 +603,17 @@ def test_seed_style_hooks_train_like_the_unsharded_optimizer():
         fp16 = "fp16" in key[0]
         for step, (got, ref) in enumerate(zip(zero_run, plain_run)):
             for i, (a, b) in enumerate(zip(got, ref)):
-                atol = 1e-4 * b.abs().max().item() if fp16 else 1e-7  # fp16: relative to the largest element
-                torch.testing.assert_close(a, b, rtol=0 if fp16 else 1e-6, atol=atol, msg=f"{key} step {step} param {i}")
-                assert torch.equal(a, outcomes[1][key][0][step][i]), (key, step, i)  # ranks agree bitwise
+                atol = (
+                    1e-4 * b.abs().max().item() if fp16 else 1e-7
+                )  # fp16: relative to the largest element
+                torch.testing.assert_close(
+                    a, b, rtol=0 if fp16 else 1e-6, atol=atol, msg=f"{key} step {step} param {i}"
+                )
+                assert torch.equal(a, outcomes[1][key][0][step][i]), (
+                    key,
+                    step,
+                    i,
+                )  # ranks agree bitwise
 
 
 def partial_step_worker(rank, world_size, compiled):
@@ -491,8 +630,12 @@ def partial_step_worker(rank, world_size, compiled):
         model = torch.compile(ddp, backend="aot_eager") if compiled and sharded else ddp
         if sharded:
             opt = ZeroOptimizer(net.parameters(), cls, **kw)
-            ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), hook_with_zero_step(ch.allreduce_hook, ddp, opt))
-            assert [len(key) for key in opt.storage.runs] == [9], opt.storage.runs  # one bucket, planned
+            ddp.register_comm_hook(
+                ch.DefaultState(dist.group.WORLD), hook_with_zero_step(ch.allreduce_hook, ddp, opt)
+            )
+            assert [len(key) for key in opt.storage.runs] == [9], (
+                opt.storage.runs
+            )  # one bucket, planned
         else:
             opt = cls(net.parameters(), foreach=False, **kw)
         history, uniform = [], []
@@ -520,7 +663,9 @@ def partial_step_worker(rank, world_size, compiled):
     return runs
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
 def test_sharded_update_falls_back_where_a_bucket_steps_unevenly(compiled):
     """The sharded update reads one step count per bucket; once one member steps alone
     (``update`` of one parameter), its bucket's members no longer share it, and every later
@@ -531,5 +676,7 @@ def test_sharded_update_falls_back_where_a_bucket_steps_unevenly(compiled):
         assert uniform == [False], uniform
         for step, (got, ref) in enumerate(zip(zero_run, plain_run)):
             for i, (a, b) in enumerate(zip(got, ref)):
-                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"rank {rank} step {step} param {i}")
+                torch.testing.assert_close(
+                    a, b, rtol=1e-6, atol=1e-7, msg=f"rank {rank} step {step} param {i}"
+                )
                 assert torch.equal(a, outcomes[0][0][0][step][i]), (rank, step, i)

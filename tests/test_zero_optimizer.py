@@ -9,8 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -26,15 +30,22 @@ SCHEDULES = {"after_backward": hook_with_zero_step, "interleaved": hook_with_zer
 
 def _net(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.Tanh(), torch.nn.Linear(30, 17), torch.nn.Tanh(),
-                               torch.nn.Linear(17, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 30),
+        torch.nn.Tanh(),
+        torch.nn.Linear(30, 17),
+        torch.nn.Tanh(),
+        torch.nn.Linear(17, 3),
+    )
 
 
 def _groups(net, decay):
     """The usual two groups: weight decay for the weights, none for the biases."""
     named = list(net.named_parameters())
-    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": decay},
-            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": decay},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
+    ]
 
 
 def _warmup_cosine(step):
@@ -42,10 +53,18 @@ def _warmup_cosine(step):
 
 
 CONFIGS = {  # optimizer, its arguments, the weights' weight decay, the scheduler
-    "adamw_lambda": (torch.optim.AdamW, dict(lr=0.01, betas=(0.9, 0.99)), 0.1,
-                     lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine)),
-    "sgd_step": (torch.optim.SGD, dict(lr=0.1, momentum=0.9), 0.01,
-                 lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)),
+    "adamw_lambda": (
+        torch.optim.AdamW,
+        dict(lr=0.01, betas=(0.9, 0.99)),
+        0.1,
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine),
+    ),
+    "sgd_step": (
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=0.9),
+        0.01,
+        lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
+    ),
 }
 
 
@@ -91,17 +110,23 @@ def train_worker(rank, world_size, cases):
         torch._dynamo.reset()
         compiles = []
 
-        def backend(gm, example_inputs):
-            compiles.append(len(history))
-            return torch._dynamo.lookup_backend("inductor")(gm, example_inputs) if mode == "inductor" else gm.forward
+        def backend(gm, example_inputs, compiles=compiles, mode=mode):
+            compiles.append(len(history))  # noqa: B023 - this iteration's, compiled within it
+            return (
+                torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+                if mode == "inductor"
+                else gm.forward
+            )
 
         net = _net()
         zero = ZeroOptimizer(_groups(net, decay), cls, shard_buckets=shard, max_norm=max_norm, **kw)
         sched = scheduler(zero)
         ddp = DDP(net, bucket_cap_mb=0.001)
         if mode != "step":
-            ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD),
-                                   SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard))
+            ddp.register_comm_hook(
+                ch.DefaultState(dist.group.WORLD),
+                SCHEDULES[schedule](ch.allreduce_hook, ddp, zero, shard_buckets=shard),
+            )
         model = torch.compile(ddp, backend=backend) if mode in ("compiled", "inductor") else ddp
         history, norms = [], []
         for step in range(STEPS):
@@ -117,7 +142,11 @@ def train_worker(rank, world_size, cases):
             history.append([p.detach().clone() for p in net.parameters()])
             norms.append(float(zero.grad_norm))
         out[(config, schedule, shard, mode, max_norm)] = dict(
-            history=history, norms=norms, recompiles=[c for c in compiles if c > 0], lrs=sched.get_last_lr())
+            history=history,
+            norms=norms,
+            recompiles=[c for c in compiles if c > 0],
+            lrs=sched.get_last_lr(),
+        )
     return out
 
 
@@ -129,19 +158,35 @@ def check(outcomes, world_size):
             got = out[key]
             for step, (params, expected) in enumerate(zip(got["history"], ref)):
                 for i, (a, b) in enumerate(zip(params, expected)):
-                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{key} rank {rank} step {step} param {i}")
-                    assert torch.equal(a, outcomes[0][key]["history"][step][i]), (key, rank, step, i)  # ranks agree
+                    torch.testing.assert_close(
+                        a, b, rtol=1e-6, atol=1e-7, msg=f"{key} rank {rank} step {step} param {i}"
+                    )
+                    assert torch.equal(a, outcomes[0][key]["history"][step][i]), (
+                        key,
+                        rank,
+                        step,
+                        i,
+                    )  # ranks agree
             assert got["recompiles"] == [], (key, got["recompiles"])
             if max_norm is not None:
                 torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-6, atol=0, msg=str(key))
-                assert sum(n > max_norm for n in ref_norms) >= STEPS // 2, ref_norms  # the test clips
+                assert sum(n > max_norm for n in ref_norms) >= STEPS // 2, (
+                    ref_norms
+                )  # the test clips
 
 
-GROUPS = [("adamw_lambda", "after_backward", False, "cpp", None), ("adamw_lambda", "interleaved", False, "python", None),
-          ("adamw_lambda", "interleaved", True, "cpp", None), ("sgd_step", "after_backward", False, "python", None),
-          ("sgd_step", "interleaved", True, "python", None)]
-CLIPPED = [("adamw_lambda", "after_backward", shard, mode, 0.2) for shard in (False, True)
-           for mode in ("cpp", "python", "step")]
+GROUPS = [
+    ("adamw_lambda", "after_backward", False, "cpp", None),
+    ("adamw_lambda", "interleaved", False, "python", None),
+    ("adamw_lambda", "interleaved", True, "cpp", None),
+    ("sgd_step", "after_backward", False, "python", None),
+    ("sgd_step", "interleaved", True, "python", None),
+]
+CLIPPED = [
+    ("adamw_lambda", "after_backward", shard, mode, 0.2)
+    for shard in (False, True)
+    for mode in ("cpp", "python", "step")
+]
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -158,9 +203,13 @@ def test_groups_and_schedulers_match_torch(world_size):
 def test_compiled_schedules_never_recompile(world_size):
     """Compiled DDP (aot_eager): the learning rate enters the graph as a tensor, so after the
     first step no graph is compiled again while the scheduler changes it every step."""
-    cases = [("adamw_lambda", "interleaved", False, "compiled", None), ("adamw_lambda", "after_backward", True, "compiled", None),
-             ("sgd_step", "after_backward", True, "compiled", None), ("sgd_step", "interleaved", False, "compiled", None),
-             ("adamw_lambda", "after_backward", False, "compiled", 0.2)]
+    cases = [
+        ("adamw_lambda", "interleaved", False, "compiled", None),
+        ("adamw_lambda", "after_backward", True, "compiled", None),
+        ("sgd_step", "after_backward", True, "compiled", None),
+        ("sgd_step", "interleaved", False, "compiled", None),
+        ("adamw_lambda", "after_backward", False, "compiled", 0.2),
+    ]
     check(run_ranks(train_worker, world_size, cases, timeout=600), world_size)
 
 
@@ -168,7 +217,15 @@ def test_compiled_schedules_never_recompile(world_size):
 def test_inductor_with_groups_scheduler_and_clipping():
     """The production path: Inductor with the default passes, two groups, LambdaLR and
     clipping, whole parameters after backward; torch's optimizer within 1e-6, no recompiles."""
-    check(run_ranks(train_worker, 2, [("adamw_lambda", "after_backward", False, "inductor", 0.2)], timeout=600), 2)
+    check(
+        run_ranks(
+            train_worker,
+            2,
+            [("adamw_lambda", "after_backward", False, "inductor", 0.2)],
+            timeout=600,
+        ),
+        2,
+    )
 
 
 def test_clipping_matches_clip_grad_norm():
@@ -189,20 +246,31 @@ def test_every_scheduler_drives_the_step_tensors():
         "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup_cosine),
         "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
         "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
-        "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[0.1, 0.05], total_steps=10),
+        "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=[0.1, 0.05], total_steps=10
+        ),
         "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0),
-        "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=2, cycle_momentum=False),
+        "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(
+            o, 0.01, 0.1, step_size_up=2, cycle_momentum=False
+        ),
     }
     for name, make in schedulers.items():
         zero = zero_optimizer(2, [(4,), (3,)], torch.optim.AdamW)
-        zero.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.05, "weight_decay": 0.0})
+        zero.add_param_group(
+            {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.05, "weight_decay": 0.0}
+        )
         sched = make(zero)
         seen = set()
         for _ in range(4):
             sched.step(1.0) if name == "ReduceLROnPlateau" else sched.step()
             for g, group in enumerate(zero.param_groups):
                 row = dict(zip(COLUMNS, zero._table[g].tolist()))
-                assert row["lr"] == group["lr"] and row["beta1"] == group["betas"][0], (name, g, row, group)
+                assert row["lr"] == group["lr"] and row["beta1"] == group["betas"][0], (
+                    name,
+                    g,
+                    row,
+                    group,
+                )
                 assert row["weight_decay"] == group["weight_decay"]
                 seen.add(row["lr"])
         assert len(seen) > 2, (name, seen)
@@ -217,19 +285,26 @@ def test_flat_boxes_cover_a_flat_range():
                 covered = []
                 for offsets, sizes, first in flat_boxes(shape, lo, hi):
                     box = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-                    assert box.reshape(-1).tolist() == list(range(first, first + box.numel())), (shape, lo, hi)
+                    assert box.reshape(-1).tolist() == list(range(first, first + box.numel())), (
+                        shape,
+                        lo,
+                        hi,
+                    )
                     covered += box.reshape(-1).tolist()
                 assert covered == list(range(lo, hi)), (shape, lo, hi)
 
 
 # -- checkpoints -------------------------------------------------------------------------------
 
+
 def _zero_run(shard, net=None):
     net = net or _net()
     zero = ZeroOptimizer(_groups(net, 0.1), torch.optim.AdamW, shard_buckets=shard, lr=0.01)
     ddp = DDP(net, bucket_cap_mb=0.001)
-    ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), hook_with_zero_step(ch.allreduce_hook, ddp, zero,
-                                                                                  shard_buckets=shard))
+    ddp.register_comm_hook(
+        ch.DefaultState(dist.group.WORLD),
+        hook_with_zero_step(ch.allreduce_hook, ddp, zero, shard_buckets=shard),
+    )
     return net, zero, ddp
 
 
@@ -267,7 +342,9 @@ def save_worker(rank, world_size, root):
         with Allocations() as allocated:
             state["optim"] = get_optimizer_state_dict(net, zero)
             dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/{shard}", thread_count=1))
-        full_state = 2 * sum(p.numel() * p.element_size() for p in net.parameters())  # exp_avg, exp_avg_sq
+        full_state = 2 * sum(
+            p.numel() * p.element_size() for p in net.parameters()
+        )  # exp_avg, exp_avg_sq
         # the one-file checkpoint: consolidated on rank 0, loaded by plain AdamW, one step on
         zero.consolidate_state_dict(to=0)
         plain = None
@@ -282,9 +359,14 @@ def save_worker(rank, world_size, root):
         _train(ddp, zero, rank, range(5, 6), world_size)
         after_6 = [p.detach().clone() for p in net.parameters()]
         _train(ddp, zero, rank, range(6, 10), world_size)
-        out[shard] = dict(after_6=after_6, consolidated_then_plain=plain, after_10=[p.detach().clone() for p in net.parameters()],
-                          allocated=(allocated.total, allocated.largest, allocated.ops), full_state=full_state,
-                          own_state=zero.state_bytes())
+        out[shard] = dict(
+            after_6=after_6,
+            consolidated_then_plain=plain,
+            after_10=[p.detach().clone() for p in net.parameters()],
+            allocated=(allocated.total, allocated.largest, allocated.ops),
+            full_state=full_state,
+            own_state=zero.state_bytes(),
+        )
     return out
 
 
@@ -331,7 +413,9 @@ def test_dcp_checkpoint_resumes_bitwise_and_reshards(tmp_path):
         for rank in range(2):
             for a, b in zip(resumed[rank][shard], saved[rank][shard]["after_10"]):
                 assert torch.equal(a, b), (shard, rank)
-        for got in [single[0][shard], saved[0][shard]["consolidated_then_plain"]] + [w[shard] for w in wider]:
+        for got in [single[0][shard], saved[0][shard]["consolidated_then_plain"]] + [
+            w[shard] for w in wider
+        ]:
             for a, b in zip(got, saved[0][shard]["after_6"]):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"shard_buckets={shard}")
         for rank in range(2):

@@ -5,16 +5,29 @@ idempotence, numerics (simulated collectives) and what is left alone."""
 import torch
 from torch._dynamo.utils import counters
 
-from passes import (all_gather_as_all_to_all, all_to_all_weight_update, fuse_collective_casts, interleave_zero_broadcasts,
-                    shard_weight_update)
+from passes import (
+    all_gather_as_all_to_all,
+    all_to_all_weight_update,
+    fuse_collective_casts,
+    interleave_zero_broadcasts,
+    shard_weight_update,
+)
 from passes.testing import graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.graphs import zero_optimizer, zero_step_fn
 from tests.passcase import PassTestCase
 
 
-def traced_step(world_size=2, shapes=((3,), (2, 3)), interleaved=True, shard_buckets=False, kind="fp32",
-                optimizer=torch.optim.SGD, bucket_bytes=1, **kw):
+def traced_step(
+    world_size=2,
+    shapes=((3,), (2, 3)),
+    interleaved=True,
+    shard_buckets=False,
+    kind="fp32",
+    optimizer=torch.optim.SGD,
+    bucket_bytes=1,
+    **kw,
+):
     zero = zero_optimizer(world_size, shapes, optimizer, shard_buckets=shard_buckets, **kw)
     fn, args = zero_step_fn(zero, kind, interleaved, bucket_bytes)
     gm = trace(fn, *args(), world_size=world_size)
@@ -36,8 +49,11 @@ def schedule(gm):
             lines.append(text[n.name])
         elif n.target is torch.ops.aten.sin.default:
             lines.append(f"backward -> {n.name}")
-        elif any(getattr(u.target, "__name__", "").startswith("broadcast") or "all_gather" in str(u.target)
-                 for u in n.users):
+        elif any(
+            getattr(u.target, "__name__", "").startswith("broadcast")
+            or "all_gather" in str(u.target)
+            for u in n.users
+        ):
             lines.append(f"update -> {n.name}")
     return "\n".join(lines)
 
@@ -46,7 +62,9 @@ class TestInterleave(PassTestCase):
     def test_interleaved_update_waits_until_the_next_gradient_collective(self):
         gm = traced_step(interleaved=True)
         before = copy_graph(gm.graph)
-        self.assertExpectedInline(schedule(gm), """\
+        self.assertExpectedInline(
+            schedule(gm),
+            """\
 backward -> sin
 all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[12] = c10d.wait_tensor(all_reduce)
@@ -65,9 +83,12 @@ broadcast_3: f32[3] = c10d.broadcast(view_23, 1, group(size=2))
 wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
 copy_: f32[3] = aten.copy_(arg2_1, select_copy_9)
 copy__1: f32[2, 3] = aten.copy_(arg3_1, view_12)
-copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
+copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""",
+        )
         self.assertRewrites(gm, interleave_zero_broadcasts)
-        self.assertExpectedInline(schedule(gm), """\
+        self.assertExpectedInline(
+            schedule(gm),
+            """\
 backward -> sin
 all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
 backward -> sin_1
@@ -86,7 +107,8 @@ wait_tensor_4: f32[3] = c10d.wait_tensor(broadcast_2)
 wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
 copy_: f32[3] = aten.copy_(arg2_1, select_copy_9)
 copy__1: f32[2, 3] = aten.copy_(arg3_1, view_12)
-copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
+copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""",
+        )
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
 
     def test_interleaved_compressed_update_stays_before_the_next_gradient_collective(self):
@@ -104,7 +126,9 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
     def test_after_backward_updates_follow_the_last_gradient(self):
         gm = traced_step(interleaved=False)
         before = copy_graph(gm.graph)
-        self.assertExpectedInline(schedule(gm), """\
+        self.assertExpectedInline(
+            schedule(gm),
+            """\
 backward -> sin
 all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[12] = c10d.wait_tensor(all_reduce)
@@ -123,9 +147,12 @@ broadcast_3: f32[3] = c10d.broadcast(view_23, 1, group(size=2))
 wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
 copy_: f32[3] = aten.copy_(arg2_1, select_copy_9)
 copy__1: f32[2, 3] = aten.copy_(arg3_1, view_17)
-copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
+copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""",
+        )
         self.assertRewrites(gm, interleave_zero_broadcasts)
-        self.assertExpectedInline(schedule(gm), """\
+        self.assertExpectedInline(
+            schedule(gm),
+            """\
 backward -> sin
 all_reduce: f32[12] = c10d.all_reduce(div, 'sum', group(size=2))
 wait_tensor: f32[12] = c10d.wait_tensor(all_reduce)
@@ -144,12 +171,21 @@ wait_tensor_4: f32[3] = c10d.wait_tensor(broadcast_2)
 wait_tensor_5: f32[3] = c10d.wait_tensor(broadcast_3)
 copy_: f32[3] = aten.copy_(arg2_1, select_copy_9)
 copy__1: f32[2, 3] = aten.copy_(arg3_1, view_17)
-copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
+copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""",
+        )
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
 
     def test_no_zero_broadcast_untouched(self):
-        gm = trace(lambda x: torch.ops._c10d_functional.wait_tensor(
-            torch.ops._c10d_functional.broadcast(x * 2, 0, "0")) + 1, torch.ones(4), world_size=2)
+        gm = trace(
+            lambda x: (
+                torch.ops._c10d_functional.wait_tensor(
+                    torch.ops._c10d_functional.broadcast(x * 2, 0, "0")
+                )
+                + 1
+            ),
+            torch.ones(4),
+            world_size=2,
+        )
         text = graph_str(gm)
         self.assertFalse(interleave_zero_broadcasts(gm.graph))
         self.assertEqual(graph_str(gm), text)
@@ -159,7 +195,9 @@ class TestShardWeightUpdate(PassTestCase):
     def test_all_reduce_and_broadcasts_become_reduce_scatter_and_all_gather(self):
         gm = traced_step(shard_buckets=True, shapes=((3,),))
         before = copy_graph(gm.graph)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[3] = input
 arg1_1: f32[3] = input
 arg2_1: f64[1] = input
@@ -225,9 +263,12 @@ view_16: f32[4] = aten.view(view_15, [-1])
 slice_copy: f32[3] = aten.slice_copy(view_16, 0, 0, 3)
 copy_: f32[3] = aten.copy_(arg1_1, slice_copy)
 copy__1: f64[1] = aten.copy_(arg2_1, index_put)
-return None""")
+return None""",
+        )
         self.assertRewrites(gm, shard_weight_update)
-        self.assertExpectedInline(graph_str(gm), """\
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
 arg0_1: f32[3] = input
 arg1_1: f32[3] = input
 arg2_1: f64[1] = input
@@ -287,25 +328,50 @@ view_16: f32[4] = aten.view(view_15, [-1])
 slice_copy: f32[3] = aten.slice_copy(view_16, 0, 0, 3)
 copy_: f32[3] = aten.copy_(arg1_1, slice_copy)
 copy__1: f64[1] = aten.copy_(arg2_1, index_put)
-return None""")
+return None""",
+        )
         check_rewrite("shard_weight_update", before, gm.graph)
 
     def test_collective_counts_and_numerics(self):
         for world_size, kind in [(2, "fp32"), (4, "fp32"), (4, "bf16")]:
-            gm = traced_step(world_size, shapes=((5,), (3, 7), (2,)), shard_buckets=True, kind=kind,
-                             optimizer=torch.optim.Adam)
+            gm = traced_step(
+                world_size,
+                shapes=((5,), (3, 7), (2,)),
+                shard_buckets=True,
+                kind=kind,
+                optimizer=torch.optim.Adam,
+            )
             before = copy_graph(gm.graph)
-            count = lambda name: sum(name in str(n.target) for n in gm.graph.nodes)  # noqa: E731
-            self.assertEqual((count("all_reduce"), count("broadcast"), count("reduce_scatter"), count("all_gather")),
-                             (3, 3 * world_size, 0, 0))
+
+            def count(name, gm=gm):
+                return sum(name in str(n.target) for n in gm.graph.nodes)
+
+            self.assertEqual(
+                (
+                    count("all_reduce"),
+                    count("broadcast"),
+                    count("reduce_scatter"),
+                    count("all_gather"),
+                ),
+                (3, 3 * world_size, 0, 0),
+            )
             self.assertTrue(shard_weight_update(gm.graph))
-            self.assertEqual((count("all_reduce"), count("broadcast"), count("reduce_scatter"), count("all_gather")),
-                             (0, 0, 3, 3))
+            self.assertEqual(
+                (
+                    count("all_reduce"),
+                    count("broadcast"),
+                    count("reduce_scatter"),
+                    count("all_gather"),
+                ),
+                (0, 0, 3, 3),
+            )
             check_rewrite("shard_weight_update", before, gm.graph)
 
     def test_index_not_proven_to_be_this_rank_untouched(self):
         def fn(x, idx):
-            w = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0"))
+            w = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_reduce(x, "sum", "0")
+            )
             return w.view(2, 3)[idx]
 
         gm = trace(fn, torch.ones(6), torch.zeros(1, dtype=torch.long), world_size=2)
@@ -315,8 +381,12 @@ return None""")
 
     def test_broadcasts_from_some_ranks_only_untouched(self):
         def fn(y):
-            parts = [torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.broadcast(y, src, "0"))
-                     for src in (0, 0)]
+            parts = [
+                torch.ops._c10d_functional.wait_tensor(
+                    torch.ops._c10d_functional.broadcast(y, src, "0")
+                )
+                for src in (0, 0)
+            ]
             return torch.cat(parts)
 
         gm = trace(fn, torch.ones(3), world_size=2)
@@ -343,7 +413,9 @@ class TestAllToAllWeightUpdate(PassTestCase):
         gm = traced_step(shapes=((5,), (2,)), interleaved=False, bucket_bytes=1 << 20)
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, all_to_all_weight_update, all_to_all_chunk_bytes=12, **FAKE)
-        self.assertExpectedInline(schedule(gm), """\
+        self.assertExpectedInline(
+            schedule(gm),
+            """\
 backward -> sin
 backward -> sin_1
 all_to_all_single_default: f32[2, 3] = c10d.all_to_all_single(view_default, [1, 1], [1, 1], group(size=2))
@@ -358,11 +430,17 @@ wait_tensor_default_2: f32[6] = c10d.wait_tensor(all_gather_into_tensor_default)
 wait_tensor_default_3: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_1)
 copy_: f32[5] = aten.copy_(arg2_1, cat_default_4)
 copy__1: f32[2] = aten.copy_(arg3_1, slice_tensor_6)
-copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
+copy__2: f64[2] = aten.copy_(arg4_1, index_put)""",
+        )
         check_rewrite(PASS_A2A, before, gm.graph)
         self.assertEqual(counts(gm), (0, 0, 2, 2, 0))
-        joins = [n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default and n.args[1:] == (1,)
-                 and n.meta["val"].dtype != torch.float64]  # not the step scalars' table
+        joins = [
+            n
+            for n in gm.graph.nodes
+            if n.target is torch.ops.aten.cat.default
+            and n.args[1:] == (1,)
+            and n.meta["val"].dtype != torch.float64
+        ]  # not the step scalars' table
         self.assertEqual(joins, [])
         self.assertEqual(counters["passes"][f"{PASS_A2A}: row read from the gathered chunks"], 2)
 
@@ -370,9 +448,18 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
         """Both ZeRO layouts, 2 and 4 ranks, fp32 and bf16 wires, one bucket per parameter
         (bucket_bytes=1): every all_reduce and every set of owner broadcasts rewritten; the
         values the simulated collectives give are unchanged."""
-        for world_size, kind, shard_buckets in [(2, "fp32", False), (4, "bf16", False), (4, "fp32", True)]:
-            gm = traced_step(world_size, shapes=((5,), (3, 7), (2,)), shard_buckets=shard_buckets, kind=kind,
-                             optimizer=torch.optim.Adam)
+        for world_size, kind, shard_buckets in [
+            (2, "fp32", False),
+            (4, "bf16", False),
+            (4, "fp32", True),
+        ]:
+            gm = traced_step(
+                world_size,
+                shapes=((5,), (3, 7), (2,)),
+                shard_buckets=shard_buckets,
+                kind=kind,
+                optimizer=torch.optim.Adam,
+            )
             before = copy_graph(gm.graph)
             self.assertEqual(counts(gm), (3, 3 * world_size, 0, 0, 0))
             self.assertTrue(all_to_all_weight_update(gm.graph, **FAKE))
@@ -385,13 +472,24 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
         row's deltas, the rows of deltas are broadcast): rewritten like the update of every
         member, with the values the simulated collectives give unchanged, fp32 and bf16 wires."""
         for kind, interleaved in [("fp32", True), ("bf16", False)]:
-            gm = traced_step(2, shapes=((8,), (4, 4), (16,), (3,), (6,)), kind=kind, interleaved=interleaved,
-                             optimizer=torch.optim.AdamW, bucket_bytes=1 << 20, weight_decay=0.1)
+            gm = traced_step(
+                2,
+                shapes=((8,), (4, 4), (16,), (3,), (6,)),
+                kind=kind,
+                interleaved=interleaved,
+                optimizer=torch.optim.AdamW,
+                bucket_bytes=1 << 20,
+                weight_decay=0.1,
+            )
             # no owner select (a where on a 0-dim owner == rank); a where on the state's tail, whose
             # rows differ (25 | 24), keeps what lies there (lerp with a tensor weight decomposes
             # into a where on abs(weight) >= 0.5: not counted)
-            wheres = [n for n in gm.graph.nodes if n.target is torch.ops.aten.where.self
-                      and n.args[0].target is not torch.ops.aten.ge.Scalar]
+            wheres = [
+                n
+                for n in gm.graph.nodes
+                if n.target is torch.ops.aten.where.self
+                and n.args[0].target is not torch.ops.aten.ge.Scalar
+            ]
             self.assertEqual([n.args[0].meta["val"].shape for n in wheres], [torch.Size([25])] * 2)
             before = copy_graph(gm.graph)
             self.assertEqual(counts(gm), (1, 2, 0, 0, 0))
@@ -403,7 +501,9 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
         self.assertUntouched(traced_step(shapes=((3,),)), all_to_all_weight_update, "backend fake")
 
         def fn(x, idx):
-            w = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0"))
+            w = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_reduce(x, "sum", "0")
+            )
             return w.view(2, 3)[idx]
 
         gm = trace(fn, torch.ones(6), torch.zeros(1, dtype=torch.long), world_size=2)
@@ -421,18 +521,28 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
         # as Dynamo traces the hooks: the second gradient waited for (and summed) only after the
         # first bucket's gathered rows are joined
         nodes = list(gm.graph.nodes)
-        waits = [n for n in nodes if n.args and "wait" in str(n.target) and "all_to_all" in str(n.args[0].target)]
-        gathered = [n for n in nodes if n.args and "wait" in str(n.target) and "all_gather" in str(n.args[0].target)]
+        waits = [
+            n
+            for n in nodes
+            if n.args and "wait" in str(n.target) and "all_to_all" in str(n.args[0].target)
+        ]
+        gathered = [
+            n
+            for n in nodes
+            if n.args and "wait" in str(n.target) and "all_gather" in str(n.args[0].target)
+        ]
         join = min((u for w in gathered for u in w.users), key=nodes.index)
         chain = {waits[-1]}
-        for n in nodes[nodes.index(waits[-1]):nodes.index(join)]:
+        for n in nodes[nodes.index(waits[-1]) : nodes.index(join)]:
             if n in chain or chain.intersection(n.all_input_nodes):
                 chain.add(n)
                 join.append(n)
                 join = n
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, interleave_zero_broadcasts)
-        self.assertExpectedInline(schedule(gm), """\
+        self.assertExpectedInline(
+            schedule(gm),
+            """\
 backward -> sin
 all_to_all_single_default: f32[2, 3] = c10d.all_to_all_single(view_default, [1, 1], [1, 1], group(size=2))
 all_to_all_single_default_1: f32[2, 2] = c10d.all_to_all_single(view_default_1, [1, 1], [1, 1], group(size=2))
@@ -452,10 +562,13 @@ wait_tensor_default_4: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_
 wait_tensor_default_5: f32[4] = c10d.wait_tensor(all_gather_into_tensor_default_2)
 copy_: f32[2] = aten.copy_(arg2_1, select_copy_9)
 copy__1: f32[5] = aten.copy_(arg3_1, cat_default_5)
-copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
+copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""",
+        )
         gathers = [n for n in gm.graph.nodes if "all_gather" in str(n.target)]
         nodes = list(gm.graph.nodes)
-        self.assertLess(nodes.index(gathers[-1]), min(nodes.index(next(iter(g.users))) for g in gathers))
+        self.assertLess(
+            nodes.index(gathers[-1]), min(nodes.index(next(iter(g.users))) for g in gathers)
+        )
         check_rewrite("interleave_zero_broadcasts", before, gm.graph)
 
     def test_interleaved_update_waits_for_all_chunks_of_the_next_gradient(self):
@@ -475,7 +588,9 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""")
 
     def test_chunk_size_must_be_positive(self):
         with self.assertRaisesRegex(ValueError, "all_to_all_chunk_bytes must be a positive int"):
-            all_to_all_weight_update(traced_step(shapes=((3,),)).graph, all_to_all_chunk_bytes=0, **FAKE)
+            all_to_all_weight_update(
+                traced_step(shapes=((3,),)).graph, all_to_all_chunk_bytes=0, **FAKE
+            )
 
 
 PASS_A2A = "all_to_all_weight_update"
@@ -490,7 +605,9 @@ class TestAllGatherAsAllToAll(PassTestCase):
         all_to_all_weight_update(gm.graph, all_to_all_chunk_bytes=12, **FAKE)
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, all_gather_as_all_to_all, all_gather_backends=("fake",))
-        self.assertExpectedInline(schedule(gm), """\
+        self.assertExpectedInline(
+            schedule(gm),
+            """\
 backward -> sin
 backward -> sin_1
 all_to_all_single_default: f32[2, 3] = c10d.all_to_all_single(view_default, [1, 1], [1, 1], group(size=2))
@@ -503,9 +620,12 @@ wait_tensor_default_2: f32[6] = c10d.wait_tensor(all_to_all_single_default_2)
 wait_tensor_default_3: f32[4] = c10d.wait_tensor(all_to_all_single_default_3)
 copy_: f32[5] = aten.copy_(arg2_1, cat_default_4)
 copy__1: f32[2] = aten.copy_(arg3_1, slice_tensor_6)
-copy__2: f64[2] = aten.copy_(arg4_1, index_put)""")
+copy__2: f64[2] = aten.copy_(arg4_1, index_put)""",
+        )
         check_rewrite("all_gather_as_all_to_all", before, gm.graph)
-        self.assertEqual(counters["passes"]["all_gather_as_all_to_all: all_gather -> all_to_all"], 2)
+        self.assertEqual(
+            counters["passes"]["all_gather_as_all_to_all: all_gather -> all_to_all"], 2
+        )
 
     def test_leaves_other_backends_alone(self):
         gm = traced_step(shapes=((5,), (2,)), interleaved=False, bucket_bytes=1 << 20)
@@ -527,10 +647,14 @@ class TestInterleaveLeavesAlone(PassTestCase):
         gm = trace(fn, *[torch.ones(4) for _ in range(4)], world_size=2)
         nodes = list(gm.graph.nodes)
         wait = next(n for n in nodes if n.name == "wait_tensor")
-        write_p = next(n for n in nodes if n.target is torch.ops.aten.copy_.default and n.args[0].name == "p_1")
+        write_p = next(
+            n for n in nodes if n.target is torch.ops.aten.copy_.default and n.args[0].name == "p_1"
+        )
         wait.append(write_p)  # the program writes p right after the gradient, then updates from p
         gm.graph.lint()
-        self.assertUntouched(gm, interleave_zero_broadcasts, "a mutation between the gradient and the update")
+        self.assertUntouched(
+            gm, interleave_zero_broadcasts, "a mutation between the gradient and the update"
+        )
 
     def test_interleaved_update_with_a_write_before_the_next_gradient_stays(self):
         """Held back to the next gradient collective, the update would move past a write that
@@ -548,7 +672,9 @@ class TestInterleaveLeavesAlone(PassTestCase):
         published = next(n for n in nodes if n.name == "wait_tensor_1")
         published.append(next(n for n in nodes if n.target is torch.ops.aten.copy_.default))
         gm.graph.lint()
-        self.assertUntouched(gm, interleave_zero_broadcasts, "a write between two gradient collectives")
+        self.assertUntouched(
+            gm, interleave_zero_broadcasts, "a write between two gradient collectives"
+        )
 
 
 def _gloo_shard_worker(rank, world_size):
@@ -570,8 +696,11 @@ def _gloo_shard_worker(rank, world_size):
         gm.graph.eliminate_dead_code()
         options = {} if backends is None else {"shard_backends": backends}
         changed = shard_weight_update(gm.graph, **options)
-        out[backends] = (changed, sum("reduce_scatter" in str(n.target) for n in gm.graph.nodes),
-                         dict(counters["passes"]))
+        out[backends] = (
+            changed,
+            sum("reduce_scatter" in str(n.target) for n in gm.graph.nodes),
+            dict(counters["passes"]),
+        )
     return out
 
 

@@ -10,35 +10,49 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from . import native as _native
 from . import fsdp2 as _fsdp2
-from .native import MODES, DataParallelState, data_parallel, is_data_parallel
+from . import native as _native
 from .fsdp2 import ALREADY, ROOT_ONLY, HookAllReduce, HookReduceScatter
+from .native import MODES, DataParallelState, data_parallel, is_data_parallel
 
-__all__ = ["data_parallel", "register_comm_hook", "get_comm_hook", "is_data_parallel", "DataParallelState",
-           "MODES", "HookReduceScatter", "HookAllReduce", "ROOT_ONLY", "ALREADY"]
+__all__ = [
+    "data_parallel",
+    "register_comm_hook",
+    "get_comm_hook",
+    "is_data_parallel",
+    "DataParallelState",
+    "MODES",
+    "HookReduceScatter",
+    "HookAllReduce",
+    "ROOT_ONLY",
+    "ALREADY",
+]
 
 
-def register_comm_hook(module: torch.nn.Module, state: Any, hook: Callable[..., Any], *,
-                       compile: bool = False) -> None:
+def register_comm_hook(
+    module: torch.nn.Module, state: Any, hook: Callable[..., Any], *, compile: bool = False
+) -> None:
     """Reduce the gradients of ``module`` through ``hook``, with FSDP1's rules (root only,
     once). ``module`` is a :func:`data_parallel` root, where the hook is traced into the
     compiled backward, or a root FSDP2 module, where ``compile=True`` compiles the hook on its
     own (see :mod:`.fsdp2`)."""
     if is_data_parallel(module):
         if compile:
-            raise ValueError("register_comm_hook: compile=True is for FSDP2 modules; a data_parallel "
-                             "module's hook is compiled with the module")
+            raise ValueError(
+                "register_comm_hook: compile=True is for FSDP2 modules; a data_parallel module's "
+                "hook is compiled with the module"
+            )
         _native.register_comm_hook(module, state, hook)
     else:
         _fsdp2.register_comm_hook(module, state, hook, compile=compile)
 
 
-def get_comm_hook(module: torch.nn.Module) -> tuple[Optional[Callable[..., Any]], Any]:
+def get_comm_hook(module: torch.nn.Module) -> tuple[Callable[..., Any] | None, Any]:
     """``(hook, state)`` registered for this module (``(None, None)`` by default)."""
     dp = getattr(module, "_data_parallel", None) or getattr(module, "_data_parallel_root", None)
     if dp is not None:

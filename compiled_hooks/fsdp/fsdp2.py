@@ -33,15 +33,16 @@ by itself (refused with ``ValueError``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .. import compat
-from ..state import DefaultState
 from ..hook_kind import hook_kind
+from ..state import DefaultState
 
 __all__ = ["register_comm_hook", "get_comm_hook", "HookReduceScatter", "HookAllReduce"]
 
@@ -55,7 +56,9 @@ class _HookRunner:
     around its collective), refusing, on every rank and before any collective, a hook that was
     registered on a module that turned out not to be the root (FSDP2 decides it lazily)."""
 
-    def __init__(self, state: DefaultState, hook: Callable[..., Any], root: FSDPModule, compile: bool = False):
+    def __init__(
+        self, state: DefaultState, hook: Callable[..., Any], root: FSDPModule, compile: bool = False
+    ):
         self.state, self.hook, self.root = state, hook, root
         self._run = torch.compile(hook, fullgraph=True) if compile else hook
 
@@ -72,13 +75,16 @@ class HookReduceScatter(_HookRunner, compat.FSDPReduceScatter):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> Optional[dist.Work]:
+    def __call__(
+        self, output_tensor, input_tensor, group, op, async_op: bool = False
+    ) -> dist.Work | None:
         if async_op:
             raise NotImplementedError("HookReduceScatter: async_op=True is not supported")
         if group.size() != self.state.world_size:
             raise ValueError(
-                f"register_comm_hook: the state's group has {self.state.world_size} ranks but FSDP reduces "
-                f"over a group of {group.size()}; build the state with the FSDP shard group."
+                f"register_comm_hook: the state's group has {self.state.world_size} ranks but "
+                f"FSDP reduces over a group of {group.size()}; build the state with the FSDP "
+                "shard group."
             )
         self.run(input_tensor, output_tensor)
         return None
@@ -94,8 +100,9 @@ class HookAllReduce(_HookRunner):
     def __call__(self, flat_grad: torch.Tensor) -> None:
         if not compat.fsdp_all_reduce_grads(self.group):
             raise NotImplementedError(
-                "register_comm_hook: set_requires_all_reduce(False) on a replicated module is not supported "
-                "with a communication hook (the hook would reduce only the last micro-batch)."
+                "register_comm_hook: set_requires_all_reduce(False) on a replicated module is not "
+                "supported with a communication hook (the hook would reduce only the last "
+                "micro-batch)."
             )
         self.run(flat_grad)
 
@@ -120,35 +127,45 @@ def _check_group(group: Any, state: DefaultState, hook: Callable[..., Any]) -> N
         kind_name, size, ok = "replicated", layout.replicate_size, kind.all_reduce
         need = "hook(state, grad) (an all-reduce hook)"
     if not ok:
-        raise TypeError(f"register_comm_hook: {name!r} cannot reduce a {kind_name} module: FSDP2 calls {need}")
+        raise TypeError(
+            f"register_comm_hook: {name!r} cannot reduce a {kind_name} module: FSDP2 calls {need}"
+        )
     for reduce_dtype in compat.fsdp_group_reduce_dtypes(group):
-        if reduce_dtype is not None and reduce_dtype != getattr(state, "parameter_type", reduce_dtype):
+        if reduce_dtype is not None and reduce_dtype != getattr(
+            state, "parameter_type", reduce_dtype
+        ):
             raise ValueError(
-                f"register_comm_hook: the module's MixedPrecisionPolicy casts gradients to {reduce_dtype} "
-                "before the hook; a compression hook compresses by itself, so leave reduce_dtype unset."
+                "register_comm_hook: the module's MixedPrecisionPolicy casts gradients to "
+                f"{reduce_dtype} before the hook; a compression hook compresses by itself, so "
+                "leave reduce_dtype unset."
             )
     if size != state.world_size:
         raise ValueError(
-            f"register_comm_hook: the state's group has {state.world_size} ranks but the module is "
-            f"{kind_name} over {size}."
+            f"register_comm_hook: the state's group has {state.world_size} ranks but the module "
+            f"is {kind_name} over {size}."
         )
 
 
-def get_comm_hook(module: torch.nn.Module) -> tuple[Optional[Callable[..., Any]], Any]:
+def get_comm_hook(module: object) -> tuple[Callable[..., Any] | None, Any]:
     """``(hook, state)`` registered for this FSDP module, or ``(None, None)``."""
     return getattr(module, "_comm_hook", None), getattr(module, "_comm_hook_state", None)
 
 
-def register_comm_hook(module: torch.nn.Module, state: DefaultState, hook: Callable[..., Any],
-                       *, compile: bool = False) -> None:
+def register_comm_hook(
+    module: torch.nn.Module, state: DefaultState, hook: Callable[..., Any], *, compile: bool = False
+) -> None:
     """Run ``hook`` for the gradient reduction of ``module`` (a root ``fully_shard`` or
     ``replicate`` module) and of every FSDP module below it. See the module docstring."""
     if not isinstance(module, FSDPModule):
-        raise TypeError(f"register_comm_hook: expected a module to which fully_shard or replicate was "
-                        f"applied, got {type(module).__name__}")
+        raise TypeError(
+            f"register_comm_hook: expected a module to which fully_shard or replicate was "
+            f"applied, got {type(module).__name__}"
+        )
     if not isinstance(state, DefaultState):
-        raise TypeError(f"register_comm_hook: state must be a DefaultState or LowPrecisionState, "
-                        f"got {type(state).__name__}")
+        raise TypeError(
+            "register_comm_hook: state must be a DefaultState or LowPrecisionState, got "
+            f"{type(state).__name__}"
+        )
     if compat.fsdp_is_root(module) is False:
         raise AssertionError(ROOT_ONLY)
     modules = _fsdp_modules(module)
@@ -160,9 +177,11 @@ def register_comm_hook(module: torch.nn.Module, state: DefaultState, hook: Calla
     reduce_scatter = HookReduceScatter(state, hook, module, compile=compile)
     for group in groups:
         if compat.fsdp_group_layout(group).replicate_size:
-            compat.fsdp_take_over_all_reduce(group, HookAllReduce(group, state, hook, module, compile=compile))
+            compat.fsdp_take_over_all_reduce(
+                group, HookAllReduce(group, state, hook, module, compile=compile)
+            )
     for m in modules:
         m.set_custom_reduce_scatter(reduce_scatter)
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
-        m._comm_hook, m._comm_hook_state = hook, state
+        cast(Any, m)._comm_hook, cast(Any, m)._comm_hook_state = hook, state

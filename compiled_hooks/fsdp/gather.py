@@ -21,14 +21,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 import torch.fx.traceback
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .. import compat
 from ..state import LowPrecisionState
@@ -45,6 +50,7 @@ class Layout:
     """Where one parameter's rows live: ``rows`` per rank after padding (0: replicated) and
     this rank's real ``local_rows``; ``name`` is its fully qualified name and ``block`` names
     the module group it is gathered with."""
+
     name: str
     shape: torch.Size
     rows: int
@@ -58,12 +64,13 @@ class Reduction:
     for hybrid_shard the replicas' all-reduce hook and state. ``reduce_dtype`` casts the
     gradient before a hook whose state is not a ``LowPrecisionState`` (a compression hook
     casts by itself)."""
-    shard_group: Optional[dist.ProcessGroup]
-    param_dtype: Optional[torch.dtype]
-    reduce_dtype: Optional[torch.dtype]
+
+    shard_group: dist.ProcessGroup | None
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
     hook: Callable[..., Any]
     state: Any
-    replica_hook: Optional[Callable[..., Any]] = None
+    replica_hook: Callable[..., Any] | None = None
     replica_state: Any = None
 
     def shard_size(self) -> int:
@@ -87,7 +94,9 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 class _GatherReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, layout: Layout, reduction: Reduction) -> torch.Tensor:
+    def forward(
+        ctx: Any, shard: torch.Tensor, layout: Layout, reduction: Reduction
+    ) -> torch.Tensor:
         ctx.layout, ctx.reduction, ctx.dtype = layout, reduction, shard.dtype
         x = shard if reduction.param_dtype is None else shard.to(reduction.param_dtype)
         if reduction.shard_group is None:
@@ -101,7 +110,7 @@ class _GatherReduce(torch.autograd.Function):
         return full[: layout.shape[0]]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         layout, r = ctx.layout, ctx.reduction
         in_dtype, out_dtype = r.hook_dtypes(grad.dtype)
         if r.shard_group is None:
@@ -134,12 +143,20 @@ class _DropCheckpointNotice(logging.Filter):
 logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropCheckpointNotice())
 
 
-def gather(shard: torch.Tensor, layout: Layout, reduction: Reduction, reshard: bool) -> torch.Tensor:
+def gather(
+    shard: torch.Tensor, layout: Layout, reduction: Reduction, reshard: bool
+) -> torch.Tensor:
     """The full parameter from this rank's ``shard`` (see the module docstring). ``reshard``
     applies under ``torch.compile`` only: eager autograd keeps what the consumers save. The traced
     nodes, forward and backward, carry the block's name under :data:`BLOCK`."""
     with torch.fx.traceback.annotate({BLOCK: layout.block}):
         if reshard and reduction.shard_group is not None and torch.compiler.is_compiling():
-            return checkpoint(_GatherReduce.apply, shard, layout, reduction,
-                              use_reentrant=False, context_fn=_RESHARD)
+            return checkpoint(
+                _GatherReduce.apply,
+                shard,
+                layout,
+                reduction,
+                use_reentrant=False,
+                context_fn=_RESHARD,
+            )
         return _GatherReduce.apply(shard, layout, reduction)

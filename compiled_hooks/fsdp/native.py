@@ -21,14 +21,15 @@ backward, collectives included, as one graph (the SimpleFSDP design).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
 from ..hook_kind import hook_kind
@@ -51,12 +52,20 @@ class DataParallelState:
         self.shard_group = None if mode == "replicate" else mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mode != "fully_shard" else None
         hook_group = self.replicate_group if mode == "replicate" else self.shard_group
-        self.reduction = Reduction(self.shard_group, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                                   allreduce_hook if mode == "replicate" else reduce_scatter_hook,
-                                   DefaultState(hook_group))
-        if mode == "hybrid_shard":
-            self.reduction.replica_hook, self.reduction.replica_state = allreduce_hook, DefaultState(self.replicate_group)
-        self.comm_hook: Optional[Callable[..., Any]] = None
+        assert hook_group is not None, "replicate has a replicate group, the others a shard group"
+        self.reduction = Reduction(
+            self.shard_group,
+            mp_policy.param_dtype,
+            mp_policy.reduce_dtype,
+            allreduce_hook if mode == "replicate" else reduce_scatter_hook,
+            DefaultState(hook_group),
+        )
+        if self.replicate_group is not None and mode == "hybrid_shard":
+            self.reduction.replica_hook, self.reduction.replica_state = (
+                allreduce_hook,
+                DefaultState(self.replicate_group),
+            )
+        self.comm_hook: Callable[..., Any] | None = None
         self.comm_hook_state: Any = None
         # Per running root forward (empty outside one, where reads give the DTensor), the shared
         # parameters gathered so far (gathered once per forward): a dict made and dropped inside
@@ -65,7 +74,22 @@ class DataParallelState:
         self.started = False  # a forward ran: the (compiled) reduction is fixed
 
 
-def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
+class _Managed(Protocol):
+    """A module ``data_parallel`` manages: the attributes it sets on each."""
+
+    _parameters: dict[str, Any]
+    _data_parallel_root: DataParallelState
+    _data_parallel: DataParallelState  # the root's
+    _data_parallel_layouts: dict[str, Layout]
+    _data_parallel_shared: set[str]
+
+
+def _managed(module: nn.Module) -> _Managed:
+    """``module``, typed as what :func:`data_parallel` made of it."""
+    return module  # type: ignore[return-value]  # the attributes are set at run time
+
+
+def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
     param = module._parameters[name]
     dp = module._data_parallel_root
     if not dp.gathered:
@@ -81,17 +105,25 @@ def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
 
 def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The root's forward: parameter reads gather while it runs (see :func:`_read_parameter`)."""
-    dp = self._data_parallel
+    dp = _managed(self)._data_parallel
     dp.started = True
     dp.gathered.append({})
     try:
-        output = super(type(self), self).forward(*args, **kwargs)
+        # the original class's forward (the class swapped in derives from it)
+        output = super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     finally:
         dp.gathered.pop()
     dtype = dp.mp_policy.output_dtype
     if dtype is None:
         return output
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        output,
+    )
+
+
+def _parameter_property(name: str) -> property:
+    return property(lambda self: _read_parameter(self, name))
 
 
 def _swap_class(module: nn.Module, names: Iterable[str], root: bool) -> None:
@@ -100,7 +132,7 @@ def _swap_class(module: nn.Module, names: Iterable[str], root: bool) -> None:
     subclass per original class, parameter names and role)."""
     key = (type(module), frozenset(names), root)
     if key not in _CLASSES:
-        attrs: dict[str, Any] = {n: property(lambda self, n=n: _read_parameter(self, n)) for n in key[1]}
+        attrs: dict[str, Any] = {n: _parameter_property(n) for n in key[1]}
         if root:
             attrs["forward"] = _root_forward
         _CLASSES[key] = type(f"DataParallel{type(module).__name__}", (type(module),), attrs)
@@ -113,7 +145,9 @@ def _default_blocks(module: nn.Module) -> dict[str, nn.Module]:
     def visit(prefix: str, m: nn.Module) -> None:
         for name, child in m.named_children():
             path = f"{prefix}{name}"
-            if isinstance(m, (nn.ModuleList, nn.Sequential)) and any(True for _ in child.parameters()):
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and any(
+                True for _ in child.parameters()
+            ):
                 blocks[path] = child
             else:
                 visit(path + ".", child)
@@ -134,28 +168,38 @@ def _check(module: nn.Module, mesh: DeviceMesh, mode: str, mp_policy: Any, resha
         layout = "a 2-D (replicate, shard) mesh" if mode == "hybrid_shard" else "a 1-D mesh"
         raise ValueError(f"{name}: mode {mode!r} needs {layout}, got a {mesh.ndim}-D mesh")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"{name}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, "
-                        f"got {type(mp_policy).__name__}")
+        raise TypeError(
+            f"{name}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{type(mp_policy).__name__}"
+        )
     if not isinstance(reshard, bool):
         raise TypeError(f"{name}: reshard_after_forward must be a bool, got {reshard!r}")
     for path, m in module.named_modules():
         what = f"submodule {path!r}" if path else "the module"
         if isinstance(m, FSDPModule):
-            raise ValueError(f"{name}: {what} is already wrapped by FSDP2 (fully_shard / replicate)")
+            raise ValueError(
+                f"{name}: {what} is already wrapped by FSDP2 (fully_shard / replicate)"
+            )
         if hasattr(m, "_data_parallel_root"):
             raise ValueError(f"{name}: {what} is already wrapped by data_parallel")
     devices = {p.device for p in module.parameters()}
     if len(devices) > 1:
-        raise ValueError(f"{name}: the parameters are on several devices {sorted(map(str, devices))}; "
-                         "move the module to one device first")
+        raise ValueError(
+            f"{name}: the parameters are on several devices {sorted(map(str, devices))}; move the "
+            "module to one device first"
+        )
     if devices and next(iter(devices)).type != mesh.device_type:
-        raise ValueError(f"{name}: the parameters are on {next(iter(devices))} but the mesh is "
-                         f"a {mesh.device_type!r} mesh")
+        raise ValueError(
+            f"{name}: the parameters are on {next(iter(devices))} but the mesh is a "
+            f"{mesh.device_type!r} mesh"
+        )
     if mode != "replicate":
         for path, p in module.named_parameters():
             if p.dim() == 0:
-                raise ValueError(f"{name}: parameter {path!r} is a scalar, which cannot be sharded on dim 0; "
-                                 "make it a 1-element tensor")
+                raise ValueError(
+                    f"{name}: parameter {path!r} is a scalar, which cannot be sharded on dim 0; "
+                    "make it a 1-element tensor"
+                )
 
 
 def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
@@ -164,12 +208,19 @@ def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
 
     def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
         return tree_map(cast, args), tree_map(cast, kwargs)
+
     return hook
 
 
-def data_parallel(module: nn.Module, mesh: DeviceMesh, *, mode: str = "fully_shard",
-                  mp_policy: Optional[MixedPrecisionPolicy] = None, reshard_after_forward: bool = True,
-                  blocks: Optional[Iterable[nn.Module]] = None) -> nn.Module:
+def data_parallel(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mode: str = "fully_shard",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    blocks: Iterable[nn.Module] | None = None,
+) -> nn.Module:
     """Shard ``module`` over ``mesh`` in place and return it; see the module docstring.
 
     ``blocks``: the modules whose parameters are gathered together and whose inputs are cast
@@ -186,11 +237,17 @@ def data_parallel(module: nn.Module, mesh: DeviceMesh, *, mode: str = "fully_sha
         block_map = {}
         for b in blocks:
             if b not in paths or b is module:
-                raise ValueError(f"data_parallel: block {type(b).__name__} is not a submodule of the module")
+                raise ValueError(
+                    f"data_parallel: block {type(b).__name__} is not a submodule of the module"
+                )
             block_map[paths[b]] = b
     dp = DataParallelState(mode, mesh, mp_policy, reshard_after_forward)
-    placements = {"fully_shard": [Shard(0)], "replicate": [Replicate()],
-                  "hybrid_shard": [Replicate(), Shard(0)]}[mode]
+    placements_of: dict[str, list[Placement]] = {
+        "fully_shard": [Shard(0)],
+        "replicate": [Replicate()],
+        "hybrid_shard": [Replicate(), Shard(0)],
+    }
+    placements = placements_of[mode]
     shard_size = 1 if dp.shard_group is None else dist.get_world_size(dp.shard_group)
 
     def block_of(path: str) -> str:
@@ -215,20 +272,32 @@ def data_parallel(module: nn.Module, mesh: DeviceMesh, *, mode: str = "fully_sha
                 rows = 0 if mode == "replicate" else math.ceil(p.shape[0] / shard_size)
                 local_rows = dt.to_local().shape[0] if p.dim() else 0
                 fqn = f"{path}.{n}" if path else n
-                sharded[id(p)] = (nn.Parameter(dt, requires_grad=p.requires_grad),
-                                  Layout(fqn, p.shape, rows, local_rows, block_of(path)))
+                sharded[id(p)] = (
+                    nn.Parameter(dt, requires_grad=p.requires_grad),
+                    Layout(fqn, p.shape, rows, local_rows, block_of(path)),
+                )
             new, layout = sharded[id(p)]
             m._parameters[n] = new
             layouts[n] = layout
             if uses[id(p)] > 1:
                 shared.add(layout.name)
-        m._data_parallel_layouts, m._data_parallel_shared, m._data_parallel_root = layouts, shared, dp
+        managed = _managed(m)
+        (
+            managed._data_parallel_layouts,
+            managed._data_parallel_shared,
+            managed._data_parallel_root,
+        ) = (
+            layouts,
+            shared,
+            dp,
+        )
         _swap_class(m, names, root=m is module)
     for m in module.modules():
-        m._data_parallel_root = dp
-    module._data_parallel = dp
+        _managed(m)._data_parallel_root = dp
+    root = _managed(module)
+    root._data_parallel = dp
     if not hasattr(module, "_data_parallel_layouts"):  # a root without parameters of its own
-        module._data_parallel_layouts, module._data_parallel_shared = {}, set()
+        root._data_parallel_layouts, root._data_parallel_shared = {}, set()
         _swap_class(module, [], root=True)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         for m in [module, *block_map.values()]:
@@ -252,36 +321,64 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
     if dp is None:
         raise AssertionError(ROOT_ONLY)
     if not isinstance(state, DefaultState):
-        raise TypeError(f"{name}: state must be a DefaultState or LowPrecisionState, got {type(state).__name__}")
+        raise TypeError(
+            f"{name}: state must be a DefaultState or LowPrecisionState, got {type(state).__name__}"
+        )
     if dp.comm_hook is not None:
         raise AssertionError(ALREADY)
     if dp.started:
-        raise RuntimeError(f"{name}: register the hook before the first forward; compiled graphs already "
-                           "hold the default reduction")
+        raise RuntimeError(
+            f"{name}: register the hook before the first forward; compiled graphs already hold "
+            "the default reduction"
+        )
     kind = hook_kind(hook, name)
     replica_hook = None
     if dp.mode == "replicate":
-        ok, need, group = kind.all_reduce, "hook(state, grad) (an all-reduce hook)", dp.replicate_group
+        ok, need, group = (
+            kind.all_reduce,
+            "hook(state, grad) (an all-reduce hook)",
+            dp.replicate_group,
+        )
     else:
-        ok, need, group = kind.reduce_scatter, "hook(state, grad, output) (a reduce-scatter hook)", dp.shard_group
+        ok, need, group = (
+            kind.reduce_scatter,
+            "hook(state, grad, output) (a reduce-scatter hook)",
+            dp.shard_group,
+        )
         if dp.mode == "hybrid_shard":
-            replica_hook = allreduce_hook if kind.fn is reduce_scatter_hook else (hook if kind.all_reduce else None)
+            replica_hook = (
+                allreduce_hook
+                if kind.fn is reduce_scatter_hook
+                else (hook if kind.all_reduce else None)
+            )
             if replica_hook is None:
                 ok, need = False, "a hook that also reduces as hook(state, grad), for the replicas"
     if not ok:
-        raise TypeError(f"{name}: {kind.name!r} cannot reduce a {dp.mode!r} module, which calls {need}")
+        raise TypeError(
+            f"{name}: {kind.name!r} cannot reduce a {dp.mode!r} module, which calls {need}"
+        )
     if state.world_size != dist.get_world_size(group):
-        raise ValueError(f"{name}: the state's group has {state.world_size} ranks but the module "
-                         f"reduces over a group of {dist.get_world_size(group)}; build the state with "
-                         f"{'mesh.get_group(1), the shard group' if dp.mode == 'hybrid_shard' else 'the mesh group'}")
+        built = "the mesh group"
+        if dp.mode == "hybrid_shard":
+            built = "mesh.get_group(1), the shard group"
+        raise ValueError(
+            f"{name}: the state's group has {state.world_size} ranks but the module reduces over "
+            f"a group of {dist.get_world_size(group)}; build the state with {built}"
+        )
     low_precision = isinstance(state, LowPrecisionState)
     if low_precision and dp.mp_policy.reduce_dtype is not None:
-        raise ValueError(f"{name}: the MixedPrecisionPolicy casts gradients to {dp.mp_policy.reduce_dtype} "
-                         "before the hook; a compression hook compresses by itself, so leave reduce_dtype unset.")
+        raise ValueError(
+            f"{name}: the MixedPrecisionPolicy casts gradients to {dp.mp_policy.reduce_dtype} "
+            "before the hook; a compression hook compresses by itself, so leave reduce_dtype "
+            "unset."
+        )
     r = dp.reduction
     r.hook, r.state = kind.fn, state
     if replica_hook is not None:
         r.replica_hook = replica_hook
-        r.replica_state = (LowPrecisionState(dp.replicate_group, state.parameter_type) if low_precision
-                           else DefaultState(dp.replicate_group))
+        r.replica_state = (
+            LowPrecisionState(dp.replicate_group, state.parameter_type)
+            if isinstance(state, LowPrecisionState)
+            else DefaultState(dp.replicate_group)
+        )
     dp.comm_hook, dp.comm_hook_state = hook, state

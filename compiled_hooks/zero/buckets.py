@@ -13,7 +13,7 @@ when the graph runs (:func:`~compiled_hooks.ops.group_rank`), never a Python val
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,9 @@ from .layout import owner_rows
 __all__ = ["broadcast_rows", "own_row", "owner_major", "rank_major"]
 
 
-def own_row(flat: torch.Tensor, world_size: int, rank: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+def own_row(
+    flat: torch.Tensor, world_size: int, rank: torch.Tensor | Callable[[], torch.Tensor]
+) -> torch.Tensor:
     """Row ``rank`` of ``flat``, ``world_size`` equal rows: the read ``passes`` recognize as
     "this rank's row" (``shard_weight_update``, ``all_to_all_weight_update``). ``rank``: a
     1-element tensor, or a function making one, called where the row is read."""
@@ -36,13 +38,16 @@ def own_row(flat: torch.Tensor, world_size: int, rank: torch.Tensor | Callable[[
 def rank_major(tensors: list[torch.Tensor], chunks: list[int], world_size: int) -> torch.Tensor:
     """``tensors`` flat, each padded to ``world_size`` slices of its ``chunks`` entry, laid out so
     that row r holds slice r of every tensor, in order."""
-    parts = [F.pad(t.reshape(-1), (0, world_size * c - t.numel())).view(world_size, -1)
-             for t, c in zip(tensors, chunks)]
+    parts = [
+        F.pad(t.reshape(-1), (0, world_size * c - t.numel())).view(world_size, -1)
+        for t, c in zip(tensors, chunks)
+    ]
     return torch.cat(parts, dim=1).reshape(-1)
 
 
-def owner_major(tensors: list[torch.Tensor], owners: list[int], world_size: int
-                ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def owner_major(
+    tensors: list[torch.Tensor], owners: list[int], world_size: int
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """``tensors`` flat, owner-major (``[world_size * L]``: row r holds the tensors rank r owns,
     in order, every row padded to the longest), and each one's (row, offset in the row)."""
     rows = owner_rows([t.numel() for t in tensors], owners, world_size)

@@ -12,14 +12,21 @@ Parameters map by position, as in ``torch.optim``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .flat_shard import FlatShard, flat_boxes
 from .storage import Storage
 
-__all__ = ["FlatShard", "consolidated_state", "flat_boxes", "load_state", "local_entry", "local_state"]
+__all__ = [
+    "FlatShard",
+    "consolidated_state",
+    "flat_boxes",
+    "load_state",
+    "local_entry",
+    "local_state",
+]
 
 
 def local_entry(storage: Storage, steps: torch.Tensor, i: int) -> dict[str, Any]:
@@ -29,14 +36,20 @@ def local_entry(storage: Storage, steps: torch.Tensor, i: int) -> dict[str, Any]
     return {"step": steps[i].to(torch.float32).cpu(), **storage.checkpoint_state(i)}
 
 
-def local_state(storage: Storage, steps: torch.Tensor, groups: list[dict[str, Any]]) -> dict[str, Any]:
+def local_state(
+    storage: Storage, steps: torch.Tensor, groups: list[dict[str, Any]]
+) -> dict[str, Any]:
     """This rank's part: ``{"state": {index: entry}, "param_groups": groups}``."""
-    return {"state": {i: local_entry(storage, steps, i) for i in range(len(storage.params))}, "param_groups": groups}
+    return {
+        "state": {i: local_entry(storage, steps, i) for i in range(len(storage.params))},
+        "param_groups": groups,
+    }
 
 
 @torch.no_grad()
-def consolidated_state(storage: Storage, steps: torch.Tensor, groups: list[dict[str, Any]], to: int
-                       ) -> Optional[dict[str, Any]]:
+def consolidated_state(
+    storage: Storage, steps: torch.Tensor, groups: list[dict[str, Any]], to: int
+) -> dict[str, Any] | None:
     """The whole state, full tensors at the parameters' shapes, on rank ``to`` of the group
     (``None`` elsewhere). Collective: every rank of the group calls it. Parameters that never
     stepped have no entry, as in ``torch.optim``."""
@@ -55,20 +68,28 @@ def consolidated_state(storage: Storage, steps: torch.Tensor, groups: list[dict[
 
 
 @torch.no_grad()
-def load_state(storage: Storage, steps: torch.Tensor, param_groups: list[dict[str, Any]],
-               state_dict: dict[str, Any]) -> None:
+def load_state(
+    storage: Storage,
+    steps: torch.Tensor,
+    param_groups: list[dict[str, Any]],
+    state_dict: dict[str, Any],
+) -> None:
     """Load ``state_dict`` (any of the three forms, or a ``torch.optim`` one) into ``storage``
     and ``steps``, and its hyperparameters into ``param_groups`` (set one by one, checked as a
     scheduler's changes are). Each rank takes what it keeps."""
     groups = state_dict.get("param_groups", [])
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in param_groups]:
-        raise ValueError(f"ZeroOptimizer.load_state_dict: expected parameter groups of "
-                         f"{[len(g['params']) for g in param_groups]} parameters, got "
-                         f"{[len(g['params']) for g in groups]}")
+        raise ValueError(
+            f"ZeroOptimizer.load_state_dict: expected parameter groups of "
+            f"{[len(g['params']) for g in param_groups]} parameters, got "
+            f"{[len(g['params']) for g in groups]}"
+        )
     position = {key: i for i, key in enumerate(key for g in groups for key in g["params"])}
     unknown = [key for key in state_dict["state"] if key not in position]
     if unknown:
-        raise ValueError(f"ZeroOptimizer.load_state_dict: state for parameters {unknown[:5]} that no group lists")
+        raise ValueError(
+            f"ZeroOptimizer.load_state_dict: state for parameters {unknown[:5]} that no group lists"
+        )
     for group, saved in zip(param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
     # Loaded into fresh tensors, then copied into the live ones: the state dict's tensors may be
@@ -100,14 +121,18 @@ def _load_entry(storage: Storage, steps: torch.Tensor, i: int, saved: dict[str, 
         value = saved.get(k)
         if value is None:
             if float(steps[i]) > 0:
-                raise ValueError(f"ZeroOptimizer.load_state_dict: parameter {i} stepped but its state {k!r} "
-                                 "is missing on the rank that keeps it (a rank's part of a state dict loads only "
-                                 "on that rank; use torch.distributed.checkpoint to reshard)")
+                raise ValueError(
+                    f"ZeroOptimizer.load_state_dict: parameter {i} stepped but its state {k!r} is "
+                    "missing on the rank that keeps it (a rank's part of a state dict loads only "
+                    "on that rank; use torch.distributed.checkpoint to reshard)"
+                )
             continue
         if not isinstance(value, FlatShard):
             if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"ZeroOptimizer.load_state_dict: state {k!r} of parameter {i} has shape "
-                                 f"{tuple(value.shape)}, expected {tuple(p.shape)}")
+                raise ValueError(
+                    f"ZeroOptimizer.load_state_dict: state {k!r} of parameter {i} has shape "
+                    f"{tuple(value.shape)}, expected {tuple(p.shape)}"
+                )
             value = value.to(device=p.device, dtype=p.dtype)
         values[k] = value
     storage.load(i, values)

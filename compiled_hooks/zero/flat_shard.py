@@ -19,7 +19,11 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 __all__ = ["FlatShard", "flat_boxes"]
@@ -68,34 +72,51 @@ class FlatShard(torch.Tensor):
     boxes: list[Box]
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, shape: tuple[int, ...], lo: int) -> "FlatShard":
-        shard = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+    def __new__(cls, local: torch.Tensor, shape: tuple[int, ...], lo: int) -> FlatShard:
+        shard = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=local.dtype, device=local.device
+        )
         shard.local, shard.lo = local, lo
         shard.boxes = flat_boxes(tuple(shape), lo, lo + local.numel())
         return shard
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise TypeError(f"FlatShard is one rank's slice of a tensor, for checkpoints; {func} does not run on it "
-                        "(its elements are in .local)")
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub names other parameters
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        raise TypeError(
+            f"FlatShard is one rank's slice of a tensor, for checkpoints; {func} does not run on "
+            "it (its elements are in .local)"
+        )
 
     def _view(self, sizes: tuple[int, ...], first: int) -> torch.Tensor:
         at = first - self.lo
-        return self.local[at:at + math.prod(sizes)].view(sizes)
+        return self.local[at : at + math.prod(sizes)].view(sizes)
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         properties = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                              properties=properties, size=self.size()))
-                for offsets, sizes, _ in self.boxes]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(
+                        offsets=torch.Size(offsets), sizes=torch.Size(sizes)
+                    ),
+                    properties=properties,
+                    size=self.size(),
+                ),
+            )
+            for offsets, sizes, _ in self.boxes
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                for offsets, sizes, _ in self.boxes]
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            for offsets, sizes, _ in self.boxes
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         for offsets, sizes, first in self.boxes:
@@ -103,5 +124,6 @@ class FlatShard(torch.Tensor):
                 return self._view(sizes, first)
         raise ValueError(f"FlatShard: no chunk at {index.offset} for {index.fqn!r}")
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
-        return f"FlatShard(shape={tuple(self.shape)}, elements {self.lo}..{self.lo + self.local.numel()})"
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        hi = self.lo + self.local.numel()
+        return f"FlatShard(shape={tuple(self.shape)}, elements {self.lo}..{hi})"

@@ -10,7 +10,8 @@ once per bucket).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd import Variable
@@ -38,17 +39,35 @@ class ZeroStep:
     the same ones. The optimizer's state is laid out by the planned buckets
     (:meth:`ZeroOptimizer.plan_buckets`)."""
 
-    def __init__(self, hook: Callable[..., Any], zero: ZeroOptimizer, interleaved: bool,
-                 bucket_bytes: int = 25 * 1024 * 1024, first_bucket_bytes: int = 1024 * 1024,
-                 order: Optional[list[int]] = None):
+    def __init__(
+        self,
+        hook: Callable[..., Any],
+        zero: ZeroOptimizer,
+        interleaved: bool,
+        bucket_bytes: int = 25 * 1024 * 1024,
+        first_bucket_bytes: int = 1024 * 1024,
+        order: list[int] | None = None,
+    ):
         self.hook, self.zero, self.interleaved = hook, zero, interleaved
-        self.planned = plan_buckets(zero.bucket_nbytes(), zero.owner, zero.world_size, first_bucket_bytes,
-                                    bucket_bytes, order)
+        self.planned = plan_buckets(
+            zero.bucket_nbytes(),
+            zero.owner,
+            zero.world_size,
+            first_bucket_bytes,
+            bucket_bytes,
+            order,
+        )
         self.bucket_of = {i: b for b, members in enumerate(self.planned) for i in members}
-        self.arrived: dict[int, torch.Tensor] = {}  # this backward's gradients not yet in a closed bucket
-        self.missing = [len(members) for members in self.planned]  # per planned bucket, in this backward
+        self.arrived: dict[
+            int, torch.Tensor
+        ] = {}  # this backward's gradients not yet in a closed bucket
+        self.missing = [
+            len(members) for members in self.planned
+        ]  # per planned bucket, in this backward
         self.next = 0  # the first planned bucket not closed in this backward
-        self.reduced: list[tuple[list, Optional[torch.Tensor]]] = []  # buckets waiting for their update
+        self.reduced: list[
+            tuple[list, torch.Tensor | None]
+        ] = []  # buckets waiting for their update
         self.started = False  # a backward is in progress (the final callback is queued)
         zero.plan_buckets(self.planned)
 
@@ -59,7 +78,9 @@ class ZeroStep:
             self.next += 1
             self.close(state, [(j, self.arrived.pop(j)) for j in self.planned[self.next - 1]])
 
-    def close(self, state: Any, items: list[tuple[int, torch.Tensor]], averaged: bool = False) -> None:
+    def close(
+        self, state: Any, items: list[tuple[int, torch.Tensor]], averaged: bool = False
+    ) -> None:
         """Reduce the bucket ``items`` (``averaged``: whole gradients that were already
         averaged) and update it now (interleaved) or keep it for :meth:`finish`."""
         if not items:
@@ -75,16 +96,22 @@ class ZeroStep:
     def finish(self, state: Any) -> None:
         """End of backward: reduce what arrived of the buckets still open, then run the updates
         still waiting (clipped by the norm of all of them, if the optimizer clips)."""
-        for members in self.planned[self.next:]:
+        for members in self.planned[self.next :]:
             self.close(state, [(j, self.arrived.pop(j)) for j in members if j in self.arrived])
-        clip = self.zero.clip_coefficient(self.reduced) if self.zero.max_norm is not None and self.reduced else None
+        clip = (
+            self.zero.clip_coefficient(self.reduced)
+            if self.zero.max_norm is not None and self.reduced
+            else None
+        )
         for items, row in self.reduced:
             self.zero.update_bucket(items, row, clip)
         self.reduced, self.arrived, self.next, self.started = [], {}, 0, False
         self.missing = [len(members) for members in self.planned]
 
 
-def _reducer(name: str, hook: Any, python_reducer: bool, shard_buckets: bool) -> tuple[Callable[..., Any], bool]:
+def _reducer(
+    name: str, hook: Any, python_reducer: bool, shard_buckets: bool
+) -> tuple[Callable[..., Any], bool]:
     """``(hook, runs_on_buckets)``: what the ZeRO hook calls to average gradients. Accepted:
     a ``hook(state, grad)`` of this package (or the one inside a :func:`ddp_comm_hook`
     wrapper), and, in eager DDP (C++ reducer) without ``shard_buckets``, a DDP comm hook
@@ -92,56 +119,96 @@ def _reducer(name: str, hook: Any, python_reducer: bool, shard_buckets: bool) ->
     ``fp16_compress_hook``, run on DDP's own bucket. Anything else is a ``TypeError``."""
     kind = hook_kind(hook, name)
     if kind.per_parameter:
-        raise TypeError(f"{name}: {kind.name} keeps state per parameter (e.g. PowerSGD), but ZeRO averages whole "
-                        "buckets of gradients at once; use allreduce_hook, fp16_compress_hook or bf16_compress_hook")
+        raise TypeError(
+            f"{name}: {kind.name} keeps state per parameter (e.g. PowerSGD), but ZeRO averages "
+            "whole buckets of gradients at once; use allreduce_hook, fp16_compress_hook or "
+            "bf16_compress_hook"
+        )
     if kind.grad_bucket:  # GradBucket in, Future out
         if python_reducer:
-            raise TypeError(f"{name}: {kind.name} is a DDP comm hook (GradBucket in, Future out), which only eager "
-                            "DDP's C++ reducer can run; for compiled DDP pass compiled_hooks' allreduce_hook, "
-                            "fp16_compress_hook or bf16_compress_hook")
+            raise TypeError(
+                f"{name}: {kind.name} is a DDP comm hook (GradBucket in, Future out), which only "
+                "eager DDP's C++ reducer can run; for compiled DDP pass compiled_hooks' "
+                "allreduce_hook, fp16_compress_hook or bf16_compress_hook"
+            )
         if shard_buckets:
-            raise TypeError(f"{name}: {kind.name} is a DDP comm hook, which runs on DDP's own bucket; with "
-                            "shard_buckets=True the gradients are laid out rank-major in buckets of ZeRO's own, so "
-                            "pass compiled_hooks' allreduce_hook, fp16_compress_hook or bf16_compress_hook")
+            raise TypeError(
+                f"{name}: {kind.name} is a DDP comm hook, which runs on DDP's own bucket; with "
+                "shard_buckets=True the gradients are laid out rank-major in buckets of ZeRO's "
+                "own, so pass compiled_hooks' allreduce_hook, fp16_compress_hook or "
+                "bf16_compress_hook"
+            )
         return kind.fn, True
     if not kind.all_reduce:
-        raise TypeError(f"{name}: hook must be callable as hook(state, grad) (allreduce_hook, fp16_compress_hook, "
-                        f"bf16_compress_hook) or be a DDP comm hook hook(state, bucket), got {kind.name!r}")
+        raise TypeError(
+            f"{name}: hook must be callable as hook(state, grad) (allreduce_hook, "
+            "fp16_compress_hook, bf16_compress_hook) or be a DDP comm hook hook(state, bucket), "
+            f"got {kind.name!r}"
+        )
     return kind.fn, False
 
 
-def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
-                    shard_buckets: bool, interleaved: bool, name: str) -> Callable[[Any, Any], Any]:
+def _hook_with_zero(
+    hook: Callable[..., Any],
+    ddp: DistributedDataParallel,
+    zero: ZeroOptimizer,
+    shard_buckets: bool,
+    interleaved: bool,
+    name: str,
+) -> Callable[[Any, Any], Any]:
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"{name}: ddp must be a DistributedDataParallel, got {type(ddp).__name__}")
     if not isinstance(zero, ZeroOptimizer):
-        raise TypeError(f"{name}: zero must be a compiled_hooks.zero.ZeroOptimizer, got {type(zero).__name__}")
+        raise TypeError(
+            f"{name}: zero must be a compiled_hooks.zero.ZeroOptimizer, got {type(zero).__name__}"
+        )
     if shard_buckets != zero.shard_buckets:
-        raise ValueError(f"{name}: shard_buckets={shard_buckets} but the ZeroOptimizer was built with "
-                         f"shard_buckets={zero.shard_buckets}; build both the same way")
+        raise ValueError(
+            f"{name}: shard_buckets={shard_buckets} but the ZeroOptimizer was built with "
+            f"shard_buckets={zero.shard_buckets}; build both the same way"
+        )
     if interleaved and zero.max_norm is not None:
-        raise ValueError(f"{name}: the ZeroOptimizer clips gradients (max_norm={zero.max_norm}), which needs the norm of "
-                         "every gradient before the first update, but the interleaved schedule updates each bucket "
-                         "as soon as it is reduced; use hook_with_zero_step (the step after backward)")
+        raise ValueError(
+            f"{name}: the ZeroOptimizer clips gradients (max_norm={zero.max_norm}), which needs "
+            "the norm of every gradient before the first update, but the interleaved schedule "
+            "updates each bucket as soon as it is reduced; use hook_with_zero_step (the step "
+            "after backward)"
+        )
     if zero.has_step_hooks():
-        raise ValueError(f"{name}: the ZeroOptimizer has step hooks, which run around step(); with the ZeRO hooks the "
-                         "update runs inside the backward, where they would not run")
+        raise ValueError(
+            f"{name}: the ZeroOptimizer has step hooks, which run around step(); with the ZeRO "
+            "hooks the update runs inside the backward, where they would not run"
+        )
     trained = [p for p in ddp.module.parameters() if p.requires_grad]
     if {id(p) for p in trained} != {id(p) for p in zero.params}:
-        raise ValueError(f"{name}: the ZeroOptimizer must hold exactly the DDP module's parameters that require grad "
-                         f"({len(trained)} of them), got {len(zero.params)}")
+        raise ValueError(
+            f"{name}: the ZeroOptimizer must hold exactly the DDP module's parameters that "
+            f"require grad ({len(trained)} of them), got {len(zero.params)}"
+        )
     if ddp.process_group.size() != zero.world_size:
-        raise ValueError(f"{name}: DDP's group has {ddp.process_group.size()} ranks, the ZeroOptimizer's {zero.world_size}")
+        raise ValueError(
+            f"{name}: DDP's group has {ddp.process_group.size()} ranks, the ZeroOptimizer's "
+            f"{zero.world_size}"
+        )
     if compat.python_reducer() and not compat.ddp_uses_python_reducer(ddp):
-        raise ValueError(f"{name}: this DDP was built before torch._dynamo.config.optimize_ddp = 'python_reducer' was "
-                         "set, so compiled autograd cannot trace its hooks; build it with compile_ddp or after "
-                         "setting the flag")
+        raise ValueError(
+            f"{name}: this DDP was built before torch._dynamo.config.optimize_ddp = "
+            "'python_reducer' was set, so compiled autograd cannot trace its hooks; build it "
+            "with compile_ddp or after setting the flag"
+        )
     hook, on_buckets = _reducer(name, hook, compat.ddp_uses_python_reducer(ddp), shard_buckets)
-    reducing: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]] = []  # C++ reducer, in order
+    reducing: list[
+        tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]
+    ] = []  # C++ reducer, in order
     config = getattr(ddp, "_bucket_config", None)
-    core = ZeroStep(hook, zero, interleaved, bucket_bytes=ddp.bucket_bytes_cap,
-                    first_bucket_bytes=getattr(config, "first_bucket_bytes_cap", ddp.bucket_bytes_cap),
-                    order=[zero.index_of(p) for p in trained])
+    core = ZeroStep(
+        hook,
+        zero,
+        interleaved,
+        bucket_bytes=ddp.bucket_bytes_cap,
+        first_bucket_bytes=getattr(config, "first_bucket_bytes_cap", ddp.bucket_bytes_cap),
+        order=[zero.index_of(p) for p in trained],
+    )
     zero.attach_hooks()
 
     def zero_hook(state, bucket):
@@ -184,8 +251,12 @@ def _hook_with_zero(hook: Callable[..., Any], ddp: DistributedDataParallel, zero
     return zero_hook
 
 
-def hook_with_zero_step(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
-                        shard_buckets: bool = False) -> Callable[[Any, Any], Any]:
+def hook_with_zero_step(
+    hook: Callable[..., Any],
+    ddp: DistributedDataParallel,
+    zero: ZeroOptimizer,
+    shard_buckets: bool = False,
+) -> Callable[[Any, Any], Any]:
     """A DDP comm hook (register it with ``ddp.register_comm_hook(state, ...)``) that averages
     gradients with ``hook(state, grad)`` and runs ``zero``'s step after the last gradient is
     reduced, overlapping the outstanding gradient collectives, clipped first if ``zero`` has
@@ -200,12 +271,20 @@ def hook_with_zero_step(hook: Callable[..., Any], ddp: DistributedDataParallel, 
     hook such as torch's ``default_hooks.allreduce_hook`` (``state`` a process group), run on
     DDP's bucket as the original does. Anything else raises ``TypeError`` here, before any
     collective."""
-    return _hook_with_zero(hook, ddp, zero, shard_buckets, interleaved=False, name="hook_with_zero_step")
+    return _hook_with_zero(
+        hook, ddp, zero, shard_buckets, interleaved=False, name="hook_with_zero_step"
+    )
 
 
-def hook_with_zero_step_interleaved(hook: Callable[..., Any], ddp: DistributedDataParallel, zero: ZeroOptimizer,
-                                    shard_buckets: bool = False) -> Callable[[Any, Any], Any]:
+def hook_with_zero_step_interleaved(
+    hook: Callable[..., Any],
+    ddp: DistributedDataParallel,
+    zero: ZeroOptimizer,
+    shard_buckets: bool = False,
+) -> Callable[[Any, Any], Any]:
     """Like :func:`hook_with_zero_step`, but each bucket is updated and broadcast as soon as its
     gradients are reduced, so broadcasts interleave with the later gradient collectives. A
     ``zero`` that clips (``max_norm``) is refused: clipping needs every gradient first."""
-    return _hook_with_zero(hook, ddp, zero, shard_buckets, interleaved=True, name="hook_with_zero_step_interleaved")
+    return _hook_with_zero(
+        hook, ddp, zero, shard_buckets, interleaved=True, name="hook_with_zero_step_interleaved"
+    )

@@ -10,10 +10,19 @@ rank, so every rank plans the same buckets and traces the same graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-__all__ = ["BALANCE_SLACK", "Assignment", "OwnerRows", "Run", "StateLayout", "assign_whole_parameters",
-           "lay_out_state", "owner_rows", "plan_buckets", "rows_balanced"]
+__all__ = [
+    "BALANCE_SLACK",
+    "Assignment",
+    "OwnerRows",
+    "Run",
+    "StateLayout",
+    "assign_whole_parameters",
+    "lay_out_state",
+    "owner_rows",
+    "plan_buckets",
+    "rows_balanced",
+]
 
 # Whole parameters: how far a bucket's longest owner row may exceed an equal share
 BALANCE_SLACK = 0.05
@@ -32,6 +41,7 @@ class Assignment:
     """Whole parameters: ``owner[i]`` owns parameter ``i``, whose state starts at ``offset[i]``
     in its owner's buffers (before :func:`lay_out_state` moves it); ``load[r]``: rank ``r``'s
     elements."""
+
     owner: list[int]
     offset: list[int]
     load: list[int]
@@ -52,12 +62,19 @@ def assign_whole_parameters(numels: list[int], world_size: int) -> Assignment:
     return Assignment(owner, offset, load)
 
 
-def plan_buckets(nbytes: list[int], owners: Optional[list[int]], world_size: int,
-                 first_cap: int, cap: int, order: Optional[list[int]] = None) -> list[list[int]]:
+def plan_buckets(
+    nbytes: list[int],
+    owners: list[int] | None,
+    world_size: int,
+    first_cap: int,
+    cap: int,
+    order: list[int] | None = None,
+) -> list[list[int]]:
     """The ZeRO hooks' buckets over parameters of ``nbytes``, each listed in the order its
     members are laid out: parameters in reverse ``order`` (the module's parameter order, default
     the optimizer's; its reverse is DDP's guess at gradient-ready order) packed up to ``cap``
-    bytes (the first up to ``first_cap``, as DDP does). With whole parameters (``owners`` given) a bucket goes on the wire as owner rows
+    bytes (the first up to ``first_cap``, as DDP does). With whole parameters (``owners`` given) a
+    bucket goes on the wire as owner rows
     padded to the longest, so a full bucket closes only where its rows are within
     ``BALANCE_SLACK`` of equal, or once it holds twice its cap. ``owners=None``
     (``shard_buckets``): every bucket is balanced."""
@@ -79,6 +96,7 @@ def plan_buckets(nbytes: list[int], owners: Optional[list[int]], world_size: int
 class OwnerRows:
     """A bucket laid out owner-major (row r: the members rank r owns, in bucket order, padded
     to the longest row): each member's ``(row, offset in the row)``, and each row's length."""
+
     place: list[tuple[int, int]]
     lengths: list[int]
 
@@ -100,21 +118,25 @@ class Run:
     """A planned bucket's run of state: elements ``start .. start + length`` of every rank's
     buffers hold that rank's owner row (each member at its place); ``lengths``: the rows'
     lengths where they differ (the shorter rows' tails hold other state), else ``None``."""
+
     start: int
     length: int
     place: list[tuple[int, int]]
-    lengths: Optional[list[int]]
+    lengths: list[int] | None
 
 
 @dataclass(frozen=True)
 class StateLayout:
     """See :func:`lay_out_state`."""
+
     runs: dict[tuple[int, ...], Run]
     pieces: list[list[Piece]]
     size: int
 
 
-def lay_out_state(numels: list[int], owner: list[int], buckets: list[list[int]], world_size: int) -> StateLayout:
+def lay_out_state(
+    numels: list[int], owner: list[int], buckets: list[list[int]], world_size: int
+) -> StateLayout:
     """Whole parameters: where each rank keeps the optimizer state of the parameters it owns,
     given the buckets the ZeRO hooks reduce (each in its owner-major order, :func:`owner_rows`).
     The same on every rank.
@@ -142,9 +164,15 @@ def lay_out_state(numels: list[int], owner: list[int], buckets: list[list[int]],
         if rows_balanced(rows.length, sum(rows.lengths), world_size):
             candidates.append((members, rows))
     while sum(rows.length for _, rows in candidates) > max(load):
-        candidates.remove(max(candidates, key=lambda c: world_size * c[1].length - sum(c[1].lengths)))
-    runs, pieces, start = {}, [[] for _ in numels], 0
-    free = [[] for _ in range(world_size)]  # per rank: (lo, hi) intervals, in order
+        candidates.remove(
+            max(candidates, key=lambda c: world_size * c[1].length - sum(c[1].lengths))
+        )
+    runs: dict[tuple[int, ...], Run] = {}
+    pieces: list[list[Piece]] = [[] for _ in numels]
+    start = 0
+    free: list[list[tuple[int, int]]] = [
+        [] for _ in range(world_size)
+    ]  # per rank: (lo, hi), in order
     for members, rows in candidates:
         for i, (_, at) in zip(members, rows.place):
             pieces[i] = [(start + at, numels[i])]

@@ -1,8 +1,8 @@
 """Pure, traceable optimizer updates for :mod:`compiled_hooks.zero`, with hyperparameters as
 tensors.
 
-:func:`update` is ``update(param, grad, state, s, rule) -> (new_param, new_state)`` on tensors of any
-shape: no in-place writes, no Python branches on tensor values. ``state`` maps the names
+:func:`update` is ``update(param, grad, state, s, rule) -> (new_param, new_state)`` on tensors of
+any shape: no in-place writes, no Python branches on tensor values. ``state`` maps the names
 torch.optim uses (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``) to tensors of the
 parameter's shape. Two things drive it:
 
@@ -28,13 +28,27 @@ parameter, so ZeRO can compute it on the owner alone (see :mod:`compiled_hooks.z
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
-__all__ = ["COLUMNS", "DIRECTION_COLUMNS", "UNSUPPORTED", "Rule", "apply", "check_change", "direction_rule", "group_hyperparameters", "rule_of",
-           "state_names", "step_scalars", "table_row", "update"]
+__all__ = [
+    "COLUMNS",
+    "DIRECTION_COLUMNS",
+    "UNSUPPORTED",
+    "Rule",
+    "apply",
+    "check_change",
+    "direction_rule",
+    "group_hyperparameters",
+    "rule_of",
+    "state_names",
+    "step_scalars",
+    "table_row",
+    "update",
+]
 
 Hp = dict[str, Any]
 State = dict[str, torch.Tensor]
@@ -46,7 +60,7 @@ SCALARS = ("step", "step_size", "bias_correction2_sqrt") + COLUMNS
 _AT = {name: i for i, name in enumerate(SCALARS)}
 
 
-def _s(s: torch.Tensor, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _s(s: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     value = s[_AT[name]]
     return value if dtype is None else value.to(dtype)
 
@@ -57,6 +71,7 @@ class Rule:
 
     ``momentum``: SGD keeps a momentum buffer (``momentum != 0``); ``coupled_decay``: weight decay
     is added to the gradient (Adam's and SGD's ``weight_decay != 0``); ``decoupled``: AdamW."""
+
     optimizer_class: type
     momentum: bool = False
     nesterov: bool = False
@@ -64,7 +79,13 @@ class Rule:
     decoupled: bool = False
 
 
-UNSUPPORTED = {"maximize": False, "amsgrad": False, "capturable": False, "differentiable": False, "fused": None}
+UNSUPPORTED = {
+    "maximize": False,
+    "amsgrad": False,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+}
 
 
 def group_hyperparameters(optimizer_class: type, defaults: Hp, group: Hp) -> Hp:
@@ -73,15 +94,23 @@ def group_hyperparameters(optimizer_class: type, defaults: Hp, group: Hp) -> Hp:
     options the traced updates do not implement are refused with ``ValueError``."""
     if optimizer_class not in DIRECTIONS:
         raise TypeError(
-            f"ZeroOptimizer supports torch.optim.SGD, Adam and AdamW, got {getattr(optimizer_class, '__name__', optimizer_class)}"
+            "ZeroOptimizer supports torch.optim.SGD, Adam and AdamW, got "
+            f"{getattr(optimizer_class, '__name__', optimizer_class)}"
         )
-    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
-    given = {**defaults, **{k: v for k, v in group.items() if k in accepted}}  # a group may hold other keys
-    probe = optimizer_class([torch.zeros(1, requires_grad=True)], **given)  # torch's own argument checks
+    accepted = set(inspect.signature(optimizer_class).parameters) - {"params"}
+    given = {
+        **defaults,
+        **{k: v for k, v in group.items() if k in accepted},
+    }  # a group may hold other keys
+    probe = optimizer_class(
+        [torch.zeros(1, requires_grad=True)], **given
+    )  # torch's own argument checks
     hp = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
     for name, default in UNSUPPORTED.items():
         if name in hp and hp[name] not in (default, False, None):
-            raise ValueError(f"ZeroOptimizer: {optimizer_class.__name__}({name}={hp[name]!r}) is not supported")
+            raise ValueError(
+                f"ZeroOptimizer: {optimizer_class.__name__}({name}={hp[name]!r}) is not supported"
+            )
     for name in ("lr", "weight_decay", "eps", "momentum", "dampening"):
         if isinstance(hp.get(name), torch.Tensor):
             hp[name] = float(hp[name])
@@ -90,9 +119,14 @@ def group_hyperparameters(optimizer_class: type, defaults: Hp, group: Hp) -> Hp:
 
 def rule_of(optimizer_class: type, hp: Hp) -> Rule:
     if optimizer_class is torch.optim.SGD:
-        return Rule(optimizer_class, momentum=hp["momentum"] != 0, nesterov=hp["nesterov"],
-                    coupled_decay=hp["weight_decay"] != 0)
-    if optimizer_class is torch.optim.AdamW or hp.get("decoupled_weight_decay"):  # Adam's flag makes it AdamW
+        return Rule(
+            optimizer_class,
+            momentum=hp["momentum"] != 0,
+            nesterov=hp["nesterov"],
+            coupled_decay=hp["weight_decay"] != 0,
+        )
+    # Adam's flag makes it AdamW
+    if optimizer_class is torch.optim.AdamW or hp.get("decoupled_weight_decay"):
         return Rule(optimizer_class, decoupled=True)
     return Rule(optimizer_class, coupled_decay=hp["weight_decay"] != 0)
 
@@ -109,15 +143,22 @@ def check_change(optimizer_class: type, rule: Rule, hp: Hp, group: int) -> None:
     by a scheduler) need another :class:`Rule`: the traced step was built for this one."""
     new = rule_of(optimizer_class, hp)
     if new != rule:
-        changed = [f"{name} {getattr(rule, name)} -> {getattr(new, name)}" for name in
-                   ("momentum", "nesterov", "coupled_decay") if getattr(rule, name) != getattr(new, name)]
+        changed = [
+            f"{name} {getattr(rule, name)} -> {getattr(new, name)}"
+            for name in ("momentum", "nesterov", "coupled_decay")
+            if getattr(rule, name) != getattr(new, name)
+        ]
         raise ValueError(
-            f"ZeroOptimizer: parameter group {group} changed its update's form ({', '.join(changed)}: momentum and "
-            "weight_decay may change but not become 0 or stop being 0, nesterov may not change); the step is "
-            "built for the form the group had when the optimizer was built")
+            f"ZeroOptimizer: parameter group {group} changed its update's form "
+            f"({', '.join(changed)}: momentum and weight_decay may change but not become 0 or "
+            "stop being 0, nesterov may not change); the step is built for the form the group "
+            "had when the optimizer was built"
+        )
     for name, default in UNSUPPORTED.items():
         if name in hp and hp[name] not in (default, False, None):
-            raise ValueError(f"ZeroOptimizer: parameter group {group}: {name}={hp[name]!r} is not supported")
+            raise ValueError(
+                f"ZeroOptimizer: parameter group {group}: {name}={hp[name]!r} is not supported"
+            )
 
 
 def step_scalars(table: torch.Tensor, steps: torch.Tensor, bias_terms: bool = True) -> torch.Tensor:
@@ -137,15 +178,20 @@ def step_scalars(table: torch.Tensor, steps: torch.Tensor, bias_terms: bool = Tr
         return torch.cat([torch.stack([steps, lr, torch.ones_like(lr)], dim=1), table], dim=1)
     bias_correction1 = 1 - torch.exp(steps * torch.log(beta1))
     bias_correction2 = 1 - torch.exp(steps * torch.log(beta2))
-    return torch.cat([torch.stack([steps, lr / bias_correction1, bias_correction2.sqrt()], dim=1), table], dim=1)
+    return torch.cat(
+        [torch.stack([steps, lr / bias_correction1, bias_correction2.sqrt()], dim=1), table], dim=1
+    )
 
 
 def _sgd_direction(g: torch.Tensor, state: State, s: torch.Tensor, rule: Rule):
     if rule.momentum:
         momentum = _s(s, "momentum", g.dtype)
         # torch starts the buffer as a copy of the first gradient (undamped)
-        buf = torch.where(_s(s, "step") == 1, g,
-                          state["momentum_buffer"] * momentum + (1 - _s(s, "dampening")).to(g.dtype) * g)
+        buf = torch.where(
+            _s(s, "step") == 1,
+            g,
+            state["momentum_buffer"] * momentum + (1 - _s(s, "dampening")).to(g.dtype) * g,
+        )
         state = {"momentum_buffer": buf}
         g = g + momentum * buf if rule.nesterov else buf
     return g, state
@@ -185,11 +231,14 @@ DIRECTIONS: dict[type, Callable[..., tuple[torch.Tensor, State]]] = {
     torch.optim.AdamW: _adam_direction,
 }
 # the COLUMNS each direction reads
-DIRECTION_COLUMNS = {torch.optim.SGD: ("momentum", "dampening"), torch.optim.Adam: ("beta1", "beta2", "eps"),
-                     torch.optim.AdamW: ("beta1", "beta2", "eps")}
+DIRECTION_COLUMNS = {
+    torch.optim.SGD: ("momentum", "dampening"),
+    torch.optim.Adam: ("beta1", "beta2", "eps"),
+    torch.optim.AdamW: ("beta1", "beta2", "eps"),
+}
 
 
-def direction_rule(rule: Rule) -> Optional[Callable[..., tuple[torch.Tensor, State]]]:
+def direction_rule(rule: Rule) -> Callable[..., tuple[torch.Tensor, State]] | None:
     """``direction(grad, state, s, rule)`` where the update with ``rule`` reads the parameter
     only in :func:`apply` (AdamW; Adam and SGD without weight decay; theirs adds ``wd * param``
     to the gradient); ``None`` otherwise. Lets ZeRO compute the direction on the owner alone

@@ -5,70 +5,46 @@ Where each rank keeps its state, and how buckets go on the wire, is one of two s
 (:mod:`.storage`): whole parameters, each owned by one rank (default), or every parameter split
 evenly (``shard_buckets``). Checkpoints: :mod:`.checkpoint`.
 
-Hyperparameters are tensors when the step runs: ``param_groups`` hold the usual Python values,
-and setting one (``group["lr"] = x``, as every torch LR scheduler does) also writes it into a
-float64 table the traced step reads (one row per group, :data:`~.optim_math.COLUMNS`). So a
-schedule changes values, never the compiled graph. What the traced code branches on (SGD's
-momentum being 0, Adam's and SGD's weight decay being 0, nesterov) is fixed per group when the
-optimizer is built; a change of it raises ``ValueError``.
+Hyperparameters reach the traced step as a table of values (:mod:`.param_groups`), so an LR
+schedule never recompiles. What the traced code branches on (SGD's momentum being 0, Adam's and
+SGD's weight decay being 0, nesterov) is fixed per group when the optimizer is built; a change
+of it raises ``ValueError``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from .checkpoint import consolidated_state, load_state, local_entry, local_state
-from .optim_math import (COLUMNS, DIRECTION_COLUMNS, UNSUPPORTED, check_change, direction_rule, group_hyperparameters,
-                         rule_of, state_names, step_scalars, table_row)
-from .storage import EvenShards, Storage, WholeParameters
+from .even_shards import EvenShards
+from .optim_math import (
+    COLUMNS,
+    DIRECTION_COLUMNS,
+    check_change,
+    direction_rule,
+    group_hyperparameters,
+    rule_of,
+    state_names,
+    step_scalars,
+    table_row,
+)
+from .param_groups import Group, checked_params, groups_state
+from .storage import Storage
+from .whole_parameters import WholeParameters
 
 __all__ = ["ZeroOptimizer"]
-
-# the group keys the step reads: COLUMNS, and what its form depends on
-_WATCHED = frozenset(COLUMNS) | {"betas", "nesterov", "decoupled_weight_decay", *UNSUPPORTED}
-
-
-class _Group(dict):
-    """A parameter group. Setting a hyperparameter also writes it into the optimizer's table
-    (see the module docstring); a value the step cannot take is refused and not kept."""
-
-    def __init__(self, values: dict[str, Any], on_change: Callable[[int], None], index: int):
-        super().__init__(values)
-        self._on_change, self._index = on_change, index
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        had, old = key in self, self.get(key)
-        super().__setitem__(key, value)
-        if key not in _WATCHED:
-            return
-        try:
-            self._on_change(self._index)
-        except Exception:
-            if had:
-                super().__setitem__(key, old)
-            else:
-                super().__delitem__(key)
-            raise
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def setdefault(self, key: str, default: Any = None) -> Any:
-        if key not in self:
-            self[key] = default
-        return self[key]
 
 
 class _LocalState(Mapping):
     """``optimizer.state``: parameter -> this rank's entry of :meth:`ZeroOptimizer.state_dict`
     (its step, and the state this rank keeps of it)."""
 
-    def __init__(self, zero: "ZeroOptimizer"):
+    def __init__(self, zero: ZeroOptimizer):
         self._zero = zero
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
@@ -104,12 +80,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``torch.optim`` format.
     """
 
-    def __init__(self, params: Iterable[Any], optimizer_class: type, process_group: dist.ProcessGroup | None = None,
-                 shard_buckets: bool = False, max_norm: Optional[float] = None, **defaults: Any):
+    _row_buckets: frozenset[tuple[int, ...]]  # planned buckets updated over own rows
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type,
+        process_group: dist.ProcessGroup | None = None,
+        shard_buckets: bool = False,
+        max_norm: float | None = None,
+        **defaults: Any,
+    ):
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"ZeroOptimizer: max_norm must be a positive number, got {max_norm!r}")
         self.optimizer_class = optimizer_class
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        group = process_group if process_group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError(
+                "ZeroOptimizer: no process group given and the default one is not initialized"
+            )
+        self.process_group: dist.ProcessGroup = group
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.shard_buckets = shard_buckets
@@ -129,32 +119,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         class). Once a step has run or the ZeRO hooks are built, the state and buckets are laid
         out for the parameters there are, so a new group is refused."""
         if not isinstance(param_group, dict) or "params" not in param_group:
-            raise TypeError(f"ZeroOptimizer: a parameter group is a dict with 'params', got {type(param_group).__name__}")
+            raise TypeError(
+                "ZeroOptimizer: a parameter group is a dict with 'params', got "
+                f"{type(param_group).__name__}"
+            )
         if self._built and (self._hooks_built or bool(self._steps.any())):
-            raise RuntimeError("ZeroOptimizer.add_param_group: the state is already laid out for the ZeRO hooks or "
-                               "used by a step; build the optimizer with every parameter group instead")
+            raise RuntimeError(
+                "ZeroOptimizer.add_param_group: the state is already laid out for the ZeRO hooks "
+                "or used by a step; build the optimizer with every parameter group instead"
+            )
         group = dict(param_group)
-        params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
         index = len(self.param_groups)
-        seen = {id(p) for g in self.param_groups for p in g["params"]}
-        for j, p in enumerate(params):
-            where = f"parameter {j} of group {index}"
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"ZeroOptimizer: {where} is a {type(p).__name__}, not a tensor")
-            if not p.requires_grad:
-                raise ValueError(f"ZeroOptimizer: {where} (shape {tuple(p.shape)}) does not require grad; "
-                                 "leave it out of the optimizer")
-            if not p.is_floating_point():
-                raise TypeError(f"ZeroOptimizer: {where} has dtype {p.dtype}; only floating point is supported")
-            if id(p) in seen:
-                raise ValueError(f"ZeroOptimizer: {where} appears more than once")
-            seen.add(id(p))
-        if not params:
-            raise ValueError(f"ZeroOptimizer: parameter group {index} is empty")
+        params = checked_params(group["params"], index, self.param_groups)
         hp = group_hyperparameters(self.optimizer_class, self._given, group)
         extra = {k: v for k, v in group.items() if k not in hp and k != "params"}
-        self.param_groups.append(_Group({"params": params, **hp, **extra}, self._hyperparameters_changed, index))
+        self.param_groups.append(
+            Group({"params": params, **hp, **extra}, self._hyperparameters_changed, index)
+        )
         if self._built:
             try:
                 self._build()
@@ -170,7 +151,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_change(self.optimizer_class, self._rules[index], group, index)
         self._table[index].copy_(torch.tensor(table_row(group), dtype=torch.float64))
         row_buckets = self._own_row_buckets()
-        if row_buckets != self._row_buckets:  # a traced step reads it: replaced only when it changes
+        # a traced step reads it: replaced only when it changes
+        if row_buckets != self._row_buckets:
             self._row_buckets = row_buckets
 
     # -- layout ------------------------------------------------------------------------------
@@ -180,24 +162,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.params = [p for g in groups for p in g["params"]]
         params = self.params
         if len({(p.dtype, p.device) for p in params}) != 1:
-            raise TypeError("ZeroOptimizer: all parameters must share one dtype and device (buckets are flat), got "
-                            f"{sorted({(str(p.dtype), str(p.device)) for p in params})}")
+            raise TypeError(
+                "ZeroOptimizer: all parameters must share one dtype and device (buckets are "
+                f"flat), got {sorted({(str(p.dtype), str(p.device)) for p in params})}"
+            )
         self._index = {id(p): i for i, p in enumerate(params)}
         self._group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
         self._rules = [rule_of(self.optimizer_class, group) for group in groups]
         names = {state_names(rule) for rule in self._rules}
         if len(names) != 1:
-            raise ValueError("ZeroOptimizer: every parameter group must keep the same state (SGD: momentum 0 in all "
-                             f"groups or in none), got {sorted(names)}")
+            raise ValueError(
+                "ZeroOptimizer: every parameter group must keep the same state (SGD: momentum 0 "
+                f"in all groups or in none), got {sorted(names)}"
+            )
         device = params[0].device
-        self._table = torch.tensor([table_row(g) for g in groups], dtype=torch.float64, device=device)
+        self._table = torch.tensor(
+            [table_row(g) for g in groups], dtype=torch.float64, device=device
+        )
         self._steps = torch.zeros(len(params), dtype=torch.float64, device=device)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         strategy = EvenShards if self.shard_buckets else WholeParameters
         self.storage: Storage = strategy(params, names.pop(), self.process_group)
-        self._row_buckets: frozenset[tuple[int, ...]] = frozenset()  # planned buckets updated over own rows
-        self._consolidated: Optional[tuple[torch.Tensor, dict[str, Any]]] = None
-        self.state = _LocalState(self)
+        self._row_buckets = frozenset()
+        self._consolidated: tuple[torch.Tensor, dict[str, Any]] | None = None
+        self.state = _LocalState(self)  # type: ignore[assignment]  # a read-only Mapping
         self._built = True
 
     def _own_row_buckets(self) -> frozenset[tuple[int, ...]]:
@@ -211,7 +199,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for key in self.storage.planned_runs():
             groups = {self._group_of[i] for i in key}
             rules = {self._rules[g] for g in groups}
-            if len(rules) == 1 and direction_rule(rules.pop()) is not None and len({tuple(rows[g]) for g in groups}) == 1:
+            if (
+                len(rules) == 1
+                and direction_rule(rules.pop()) is not None
+                and len({tuple(rows[g]) for g in groups}) == 1
+            ):
                 ok.append(key)
         return frozenset(ok)
 
@@ -225,7 +217,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         This rank's state moves along. With ``shard_buckets`` the layout does not depend on the
         buckets."""
         if sorted(i for b in buckets for i in b) != list(range(len(self.params))):
-            raise ValueError(f"ZeroOptimizer.plan_buckets: the buckets must hold every parameter once, got {buckets}")
+            raise ValueError(
+                "ZeroOptimizer.plan_buckets: the buckets must hold every parameter once, got "
+                f"{buckets}"
+            )
         self.storage.plan(buckets, self._steps.tolist())
         self._row_buckets = self._own_row_buckets()
 
@@ -234,7 +229,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.storage.bucket_nbytes()
 
     @property
-    def owner(self) -> Optional[list[int]]:
+    def owner(self) -> list[int] | None:
         """Whole parameters: the rank that owns each parameter; ``None`` with ``shard_buckets``."""
         return self.storage.owners
 
@@ -254,26 +249,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             return self._index[id(param)]
         except KeyError:
-            raise ValueError(f"ZeroOptimizer: a parameter of shape {tuple(param.shape)} is not in this optimizer") from None
+            raise ValueError(
+                f"ZeroOptimizer: a parameter of shape {tuple(param.shape)} is not in this optimizer"
+            ) from None
 
     # -- the step ------------------------------------------------------------------------------
-    def reduce_bucket(self, hook: Callable[..., Any], state: Any, items: list[tuple[int, torch.Tensor]]):
+    def reduce_bucket(
+        self, hook: Callable[..., Any], state: Any, items: list[tuple[int, torch.Tensor]]
+    ):
         """Average a bucket of gradients ``[(i, grad)]`` with one ``hook(state, flat)`` call and
-        return ``([(i, g)], row)`` as :meth:`update_bucket` takes them, read from this rank's row of
-        the bucket only, so that ``passes`` may reduce just that row (``shard_weight_update``,
-        ``all_to_all_weight_update``); ``grad`` keeps this rank's local gradient.
-
-        Whole parameters: the bucket is laid out owner-major (row r holds the members rank r
-        owns, padded to the longest row); ``g`` is the member's averaged gradient on its owner
-        (elsewhere it is not used: only owners' updates are kept). ``shard_buckets``: laid out
-        rank-major, every member padded to ``world_size`` equal slices, so a rank's row holds
-        its slice of every member; ``g`` is this rank's slice. ``row``: whole parameters, this
-        rank's row of the averaged bucket (the ``g`` are views of it); ``None`` with
-        ``shard_buckets``. See :mod:`.buckets`."""
+        return ``([(i, g)], row)`` as :meth:`update_bucket` takes them, read from this rank's row
+        of the bucket only, so that ``passes`` may reduce just that row (``shard_weight_update``,
+        ``all_to_all_weight_update``); ``grad`` keeps this rank's local gradient. ``g``: whole
+        parameters, the averaged gradient, right on its owner; ``shard_buckets``, this rank's
+        slice. ``row``: this rank's row (whole parameters; ``None`` with ``shard_buckets``). The
+        layouts: :mod:`.buckets`."""
         return self.storage.reduce(hook, state, items)
 
-    def clip_coefficient(self, reduced: list[tuple[list[tuple[int, torch.Tensor]], Optional[torch.Tensor]]]
-                         ) -> torch.Tensor:
+    def clip_coefficient(
+        self, reduced: list[tuple[list[tuple[int, torch.Tensor]], torch.Tensor | None]]
+    ) -> torch.Tensor:
         """``clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))`` for the averaged
         gradients of the buckets ``reduced`` (``[(items, row)]`` as :meth:`reduce_bucket` gives
         them, or whole averaged gradients with ``row=None``): each rank sums the squares of what it
@@ -292,28 +287,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
 
     @torch.no_grad()
-    def update_bucket(self, items: list[tuple[int, torch.Tensor]], row: Optional[torch.Tensor] = None,
-                      clip: Optional[torch.Tensor] = None) -> None:
-        """Apply the optimizer to a bucket of parameters ``[(i, averaged grad)]`` (with
-        ``shard_buckets``, this rank's slices, as :meth:`reduce_bucket` gives them; whole
-        parameters: the gradient need only be right on the parameter's owner), the gradients
-        scaled by ``clip`` if given (:meth:`clip_coefficient`), and make the results identical on
-        every rank: every rank's row of new values (owner-major for whole parameters, rank-major
-        with ``shard_buckets``) broadcast from that rank. Traceable; the same graph on every rank.
-
-        Whole parameters, given ``row`` (this rank's row of a bucket laid out by
-        :meth:`plan_buckets`), where the bucket may be updated over its own row (see
-        ``_own_row_buckets``) and its members share one step count: each rank computes the
-        direction over its own row only, and every rank applies the broadcast rows to its
-        parameters. Otherwise every rank computes the update of every member and keeps the state
-        of those it owns."""
+    def update_bucket(
+        self,
+        items: list[tuple[int, torch.Tensor]],
+        row: torch.Tensor | None = None,
+        clip: torch.Tensor | None = None,
+    ) -> None:
+        """Apply the optimizer to a bucket ``[(i, averaged grad)]`` as :meth:`reduce_bucket` gives
+        it, the gradients scaled by ``clip`` if given (:meth:`clip_coefficient`), and leave every
+        rank with the same new values: every rank's row of them broadcast from that rank.
+        Traceable; the same graph on every rank. Given ``row`` of a bucket :meth:`plan_buckets`
+        laid out, where the members' rules allow it and they share one step count, each rank
+        computes the update's direction over its own row only
+        (:meth:`.whole_parameters.WholeParameters.update`)."""
         rank = self.storage.rank_tensor()
         index = torch.tensor([i for i, _ in items], device=self._table.device)
         steps = self._steps[index] + 1
         self._steps.index_put_((index,), steps)
         groups = torch.tensor([self._group_of[i] for i, _ in items], device=self._table.device)
-        scalars = step_scalars(self._table.index_select(0, groups), steps,  # once per bucket: see step_scalars
-                               bias_terms=self.optimizer_class is not torch.optim.SGD)
+        sgd = self.optimizer_class is torch.optim.SGD  # once per bucket: see step_scalars
+        scalars = step_scalars(self._table.index_select(0, groups), steps, bias_terms=not sgd)
         key = tuple(i for i, _ in items)
         rules = [self._rules[self._group_of[i]] for i in key]
         self.storage.update(items, row, scalars, clip, rules, key in self._row_buckets, rank)
@@ -323,14 +316,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``shard_buckets``, this rank's slice), its shape checked first."""
         p = self.params[i]
         if grad.shape != p.shape:
-            raise ValueError(f"ZeroOptimizer: gradient of shape {tuple(grad.shape)} for parameter {i} of shape {tuple(p.shape)}")
+            raise ValueError(
+                f"ZeroOptimizer: gradient of shape {tuple(grad.shape)} for parameter {i} of shape "
+                f"{tuple(p.shape)}"
+            )
         return self.storage.own_grad(i, grad)
 
     def update(self, i: int, grad: torch.Tensor) -> None:
-        """:meth:`update_bucket` of the one parameter ``i`` with its averaged gradient (no clipping)."""
+        """:meth:`update_bucket` of parameter ``i`` alone, its gradient averaged (no clipping)."""
         self.update_bucket([(i, self._own_grad(i, grad))])
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update every parameter that has a gradient, from ``param.grad`` as it is (average the
         gradients first, e.g. with DDP), clipped first if ``max_norm`` is set. Without the ZeRO
         hooks this is the whole step. Collective: every rank of the group must call it."""
@@ -338,8 +334,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = [(i, self._own_grad(i, p.grad)) for i, p in enumerate(self.params) if p.grad is not None]
-        clip = self.clip_coefficient([(items, None)]) if self.max_norm is not None and items else None
+        items = [
+            (i, self._own_grad(i, p.grad)) for i, p in enumerate(self.params) if p.grad is not None
+        ]
+        clip = (
+            self.clip_coefficient([(items, None)]) if self.max_norm is not None and items else None
+        )
         for item in items:
             self.update_bucket([item], clip=clip)
         return loss
@@ -355,38 +355,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _refuse_step_hooks(self) -> None:
         if self._hooks_built:
-            raise RuntimeError("ZeroOptimizer: step hooks run around step(), but with the ZeRO hooks the update runs "
-                               "inside the backward, where they would not run; register them without the ZeRO hooks")
+            raise RuntimeError(
+                "ZeroOptimizer: step hooks run around step(), but with the ZeRO hooks the update "
+                "runs inside the backward, where they would not run; register them without the "
+                "ZeRO hooks"
+            )
 
     # -- accounting and checkpoints (see :mod:`.checkpoint`) -------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (per-element state and step counts)."""
         return self.storage.state_bytes() + self._steps.numel() * self._steps.element_size()
 
-    def _groups_state(self) -> list[dict[str, Any]]:
-        """``param_groups`` as a state dict holds them: values, and parameters by index."""
-        groups, start = [], 0
-        for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + n))})
-            start += n
-        return groups
-
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the state, in ``torch.optim`` form (``{"state": {index: entry},
-        "param_groups": [...]}``), without communication: every parameter's ``step``, and the
-        state this rank keeps (whole parameters: the owned parameters' tensors, views where they
-        lie in one piece; ``shard_buckets``: :class:`~.flat_shard.FlatShard` slices at the
-        parameter's shape). ``torch.distributed.checkpoint`` saves every rank's part
-        (``get_optimizer_state_dict(model, zero)``) and loads it at any world size, into this
-        optimizer or a plain one, and no rank holds the whole state.
-
-        After :meth:`consolidate_state_dict` (and until the next update), the rank it consolidated
-        to gets the whole state instead, as ``torch.optim`` and ``ZeroRedundancyOptimizer`` give
-        it: full tensors, loadable by the plain optimizer."""
+        """This rank's part of the state, in ``torch.optim`` form, without communication; what
+        ``torch.distributed.checkpoint`` saves from every rank and reshards on load
+        (:func:`.checkpoint.local_state`). After :meth:`consolidate_state_dict` (and until the
+        next update), the rank it consolidated to gets the whole state instead, as
+        ``torch.optim`` and ``ZeroRedundancyOptimizer`` give it."""
         if self._consolidated is not None and torch.equal(self._consolidated[0], self._steps):
             return self._consolidated[1]
-        return local_state(self.storage, self._steps, self._groups_state())
+        return local_state(self.storage, self._steps, groups_state(self.param_groups))
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collect the whole state on rank ``to`` of the group (point-to-point from each owner;
@@ -394,9 +382,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``if rank == to: torch.save(zero.state_dict(), path)``. Collective: every rank of the group
         must call it. Parameters that never stepped have no entry, as in ``torch.optim``."""
         if not 0 <= to < self.world_size:
-            raise ValueError(f"ZeroOptimizer.consolidate_state_dict: to={to} is not a rank of the group "
-                             f"(size {self.world_size})")
-        whole = consolidated_state(self.storage, self._steps, self._groups_state(), to)
+            raise ValueError(
+                f"ZeroOptimizer.consolidate_state_dict: to={to} is not a rank of the group (size "
+                f"{self.world_size})"
+            )
+        whole = consolidated_state(self.storage, self._steps, groups_state(self.param_groups), to)
         self._consolidated = (self._steps.clone(), whole) if whole is not None else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
