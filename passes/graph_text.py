@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import torch
 
 from compiled_hooks import compat
 
-__all__ = ["graph_str"]
+__all__ = ["graph_diff", "graph_str"]
 
 _DTYPES = {
     torch.float32: "f32",
@@ -87,3 +88,23 @@ def graph_str(gm: torch.fx.GraphModule | torch.fx.Graph) -> str:
                 f"{_target_str(n.target)}({', '.join(args)})"
             )
     return "\n".join(lines)
+
+
+def graph_diff(
+    before: torch.fx.GraphModule | torch.fx.Graph, after: torch.fx.GraphModule | torch.fx.Graph
+) -> str:
+    """What a rewrite changed, as :func:`graph_str` lines: ``-`` removed, ``+`` added, in graph
+    order; ``...`` between runs of changes. For snapshots where only the difference matters."""
+    lines = difflib.unified_diff(
+        graph_str(before).splitlines(), graph_str(after).splitlines(), n=0, lineterm=""
+    )
+    out: list[str] = []
+    for line in lines:
+        if line.startswith(("---", "+++")):
+            continue
+        if line.startswith("@@"):
+            if out:
+                out.append("...")
+            continue
+        out.append(line)
+    return "\n".join(out)

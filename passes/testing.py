@@ -35,9 +35,16 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .graph_text import graph_str
+from .graph_text import graph_diff, graph_str
 
-__all__ = ["trace", "graph_str", "fake_process_group", "partitioned_graphs", "gathered_bytes_alive"]
+__all__ = [
+    "trace",
+    "graph_diff",
+    "graph_str",
+    "fake_process_group",
+    "partitioned_graphs",
+    "gathered_bytes_alive",
+]
 
 
 def fake_process_group(world_size: int) -> dist.ProcessGroup:

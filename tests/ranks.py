@@ -8,6 +8,7 @@ caller with a message naming the rank, so a distributed test can never hang the 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import io
 import os
 import queue
@@ -45,13 +46,15 @@ def _entry(
     args: tuple,
     backend: str,
     teardown: bool,
+    pg_timeout_s: float | None,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     reported = False
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        kw = {} if pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=pg_timeout_s)}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
@@ -93,9 +96,11 @@ def rank_outcomes(
     timeout: float = 180.0,
     backend: str = "gloo",
     teardown: bool = True,
+    pg_timeout_s: float | None = None,
 ) -> list[Outcome]:
     """Run ``fn(rank, world_size, *args)`` on every rank; what happened to each.
-    ``teardown=False`` leaves out the final barrier, for groups a test leaves broken."""
+    ``teardown=False`` leaves out the final barrier, for groups a test leaves broken;
+    ``pg_timeout_s``: the group's collective timeout (default: the backend's)."""
     ctx = context()
     q = ctx.Queue()
     outcomes: dict[int, Outcome] = {}
@@ -104,7 +109,7 @@ def rank_outcomes(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, r, world_size, store_path, q, args, backend, teardown),
+                args=(fn, r, world_size, store_path, q, args, backend, teardown, pg_timeout_s),
                 daemon=True,
             )
             for r in range(world_size)

@@ -1,10 +1,7 @@
 """Failures are loud and shared: a dead rank makes the others raise, not hang; and long
 compiled runs keep every rank's parameters bitwise identical."""
 
-import datetime
 import os
-import queue
-import tempfile
 import time
 
 import pytest
@@ -13,9 +10,9 @@ import torch.distributed as dist
 
 import compiled_hooks as ch
 import passes
-from tests.ranks import context, run_ranks
-from tests.test_ddp import _batch
-from tests.test_ddp import _net as _mlp
+from tests.hooks.test_ddp import _batch
+from tests.hooks.test_ddp import _net as _mlp
+from tests.ranks import rank_outcomes, run_ranks
 
 PG_TIMEOUT_S = 10
 
@@ -28,16 +25,9 @@ def _train_step(model, opt, net, rank, step):
     opt.step()
 
 
-def dying_worker(rank, world_size, store_path, q, compiled):
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(
-        "gloo",
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-    )
+def dying_worker(rank, world_size, compiled):
+    """Two healthy steps, then rank 1 exits (code 3) and rank 0 runs a third step: rank 0
+    returns what it raised and how long that took."""
     if compiled:
         net = _mlp()
         _, model = ch.compile_ddp(
@@ -58,24 +48,14 @@ def dying_worker(rank, world_size, store_path, q, compiled):
 
     step(0)
     step(1)  # healthy steps, compiled code warm
-    q.put((rank, "healthy", None))
     if rank == 1:
-        _flush(q)
         os._exit(3)  # dies mid-training, before the next step's collectives
     t0 = time.monotonic()
     try:
         step(2)
-        q.put((rank, "no error", time.monotonic() - t0))
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        q.put((rank, f"{type(e).__name__}: {str(e)[:300]}", time.monotonic() - t0))
-    _flush(q)
-    os._exit(0)  # the group is broken: do not wait for a clean shutdown
-
-
-def _flush(q):
-    """os._exit skips the queue's feeder thread: push what was put before leaving."""
-    q.close()
-    q.join_thread()
+    except Exception as e:  # reported to the test
+        return f"{type(e).__name__}: {str(e)[:300]}", time.monotonic() - t0
+    return "no error", time.monotonic() - t0
 
 
 @pytest.mark.parametrize(
@@ -84,36 +64,14 @@ def _flush(q):
     ids=["eager_hook", "compiled_ddp"],
 )
 def test_dead_rank_makes_the_others_raise(compiled):
-    ctx = context()
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=dying_worker,
-                args=(r, 2, os.path.join(tmp, "store"), q, compiled),
-                daemon=True,
-            )
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        reports = []
-        try:
-            while len(reports) < 3:  # both healthy, then rank 0's outcome
-                reports.append(q.get(timeout=120))
-        except queue.Empty:
-            pytest.fail(f"no report in time (a hang); got {reports}")
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    outcome = [r for r in reports if r[1] != "healthy"]
-    assert len(outcome) == 1 and outcome[0][0] == 0, reports
-    _, message, elapsed = outcome[0]
+    survivor, dead = rank_outcomes(
+        dying_worker, 2, compiled, timeout=120, teardown=False, pg_timeout_s=PG_TIMEOUT_S
+    )
+    assert dead.status == "died" and dead.exitcode == 3, (survivor, dead)
+    assert survivor.status == "ok", (survivor, dead)
+    message, elapsed = survivor.result
     assert message != "no error", "rank 0 completed a step without its peer"
     assert elapsed < PG_TIMEOUT_S + 20, f"rank 0 raised only after {elapsed:.0f}s: {message}"
-    assert procs[1].exitcode == 3
 
 
 def determinism_worker(rank, world_size, steps):

@@ -110,7 +110,7 @@ class ZeroStep:
 
 
 def _reducer(
-    name: str, hook: Any, python_reducer: bool, shard_buckets: bool
+    name: str, hook: Any, python_reducer: bool, ddp_buckets: bool
 ) -> tuple[Callable[..., Any], bool]:
     """``(hook, runs_on_buckets)``: what the ZeRO hook calls to average gradients. Accepted:
     a ``hook(state, grad)`` of this package (or the one inside a :func:`ddp_comm_hook`
@@ -131,7 +131,7 @@ def _reducer(
                 "eager DDP's C++ reducer can run; for compiled DDP pass compiled_hooks' "
                 "allreduce_hook, fp16_compress_hook or bf16_compress_hook"
             )
-        if shard_buckets:
+        if not ddp_buckets:  # the storage reduces buckets of its own layout
             raise TypeError(
                 f"{name}: {kind.name} is a DDP comm hook, which runs on DDP's own bucket; with "
                 "shard_buckets=True the gradients are laid out rank-major in buckets of ZeRO's "
@@ -196,7 +196,9 @@ def _hook_with_zero(
             "'python_reducer' was set, so compiled autograd cannot trace its hooks; build it "
             "with compile_ddp or after setting the flag"
         )
-    hook, on_buckets = _reducer(name, hook, compat.ddp_uses_python_reducer(ddp), shard_buckets)
+    hook, on_buckets = _reducer(
+        name, hook, compat.ddp_uses_python_reducer(ddp), zero.storage.reduces_ddp_buckets
+    )
     reducing: list[
         tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]
     ] = []  # C++ reducer, in order

@@ -285,7 +285,7 @@ def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
     import passes
     from compiled_hooks.fsdp import data_parallel
     from passes.testing import fake_process_group, partitioned_graphs
-    from tests.test_data_parallel import BF16, DIM, HIDDEN, VOCAB, Net
+    from tests.fsdp.test_data_parallel import BF16, DIM, HIDDEN, VOCAB, Net
 
     fake_process_group(4)
     model = data_parallel(Net(), init_device_mesh("cpu", (4,)), mp_policy=BF16)

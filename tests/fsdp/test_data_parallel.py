@@ -18,8 +18,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import compiled_hooks as ch
 from compiled_hooks.fsdp import ALREADY, ROOT_ONLY, data_parallel, get_comm_hook, register_comm_hook
 from passes.testing import fake_process_group, gathered_bytes_alive, partitioned_graphs
+from tests.fsdp.test_fsdp import _raises
 from tests.ranks import run_ranks
-from tests.test_fsdp import _raises
 
 VOCAB, DIM, HIDDEN = 10, 8, 13  # rows 10 and 13: shards of uneven size on 2 and 4 ranks
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)

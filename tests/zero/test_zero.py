@@ -322,7 +322,7 @@ def test_state_layout_keeps_the_buffers_size(world_size):
     from compiled_hooks.zero.layout import owner_rows
     from tests.graphs import zero_optimizer
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
     from train_ddp import TinyTransformer
 
     rng = random.Random(world_size)

@@ -6,8 +6,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
 
 from compiled_hooks import ShardedGradScaler
+from tests.hooks.test_ddp import _batch, _net
 from tests.ranks import run_ranks
-from tests.test_ddp import _batch, _net
 
 STEPS, INF_STEPS, INTERVAL = 10, {2: 1, 6: 0}, 3  # inject an inf at step s on rank INF_STEPS[s]
 
