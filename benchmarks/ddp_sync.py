@@ -118,9 +118,8 @@ class Config:
                 self.model.register_comm_hook(
                     dist.group.WORLD, ddp_default_hooks.fp16_compress_hook
                 )
-            self.wire_bytes = elements * (
-                2 if "fp16" in name else 4
-            )  # every parameter, in DDP's buckets
+            # every parameter, in DDP's buckets
+            self.wire_bytes = elements * (2 if "fp16" in name else 4)
         elif name.startswith("compute"):
             self.model = torch.compile(self.net)
             self.wire_bytes = 0
@@ -167,12 +166,13 @@ class Config:
                 sum(_numel(e.input_shapes[0]) * _itemsize(e.input_dtypes[0]) for e in functional)
                 / steps
             )
+        # the op, not its kernel
         waits = [
             e
             for e in prof.events()
             if e.name == "_c10d_functional::wait_tensor"
             and (e.cpu_parent is None or e.cpu_parent.name != e.name)
-        ]  # the op, not its kernel
+        ]
         self.exposed_ms = (
             sum(e.cpu_time_total for e in waits) / 1e3 / steps if self.compiled else None
         )

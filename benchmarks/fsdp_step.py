@@ -256,9 +256,8 @@ def replay_ms(calls: list[tuple[str, list[int], str, int]], world: int, reps: in
 def under_traffic_ms(step, traffic, world: int, seconds: float, rate: float | None) -> float:
     """Median time of ``step()`` while a thread sends all_to_alls on the ``traffic`` group for
     about ``seconds`` at ``rate`` (a fixed number of rounds, the same on every rank)."""
-    piece = torch.ones(
-        world * ALL_TO_ALL_CHUNK_BYTES // 2, dtype=torch.bfloat16
-    )  # one chunk per destination
+    # one chunk per destination
+    piece = torch.ones(world * ALL_TO_ALL_CHUNK_BYTES // 2, dtype=torch.bfloat16)
     per_round = 4 * (world - 1) * ALL_TO_ALL_CHUNK_BYTES
     rounds = torch.tensor([max(20, int(seconds * (rate or 1e9) / per_round))])
     dist.all_reduce(rounds, dist.ReduceOp.MAX)  # every rank sends as many

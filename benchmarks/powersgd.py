@@ -180,9 +180,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
         )
     for r in rows:
         vs_peer = "-" if r["vs_torch_powersgd"] is None else f"{r['vs_torch_powersgd']:.2f}x"
-        mb = (
-            "-" if r["mb"] is None else f"{r['mb']:.2f}"
-        )  # the C++ reducer's collectives carry no shapes in the profile
+        # the C++ reducer's collectives carry no shapes in the profile
+        mb = "-" if r["mb"] is None else f"{r['mb']:.2f}"
         print(
             f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_bf16_passes']:.2f}x | {vs_peer} | "
             f"{r['collectives']:g} | {mb} | {r['loss']:.5f} |"

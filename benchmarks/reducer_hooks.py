@@ -202,9 +202,8 @@ def run_model(rank: int, model: str, steps: int) -> list[dict] | None:
             c.step()
     for i in range(steps):
         order = list(configs)
-        random.Random(i).shuffle(
-            order
-        )  # no configuration always follows the same one; the same on every rank
+        # no configuration always follows the same one; the same on every rank
+        random.Random(i).shuffle(order)
         for c in order:
             dist.barrier()
             t0 = time.perf_counter()

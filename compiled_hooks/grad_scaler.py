@@ -156,9 +156,8 @@ class ShardedGradScaler:
         found = torch.zeros((1,), dtype=torch.float32, device=scale.device)
         with torch.no_grad():
             for device, gs in grads.items():
-                bad = torch.stack(
-                    [(~torch.isfinite(g)).any() for g in gs]
-                ).any()  # before unscaling
+                # before unscaling
+                bad = torch.stack([(~torch.isfinite(g)).any() for g in gs]).any()
                 torch._foreach_mul_(gs, inv_scale.to(device).reshape(()))
                 found = found + bad.to(device=scale.device, dtype=torch.float32)
         pg = self.process_group if self.process_group is not None else dist.group.WORLD

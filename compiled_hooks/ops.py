@@ -38,9 +38,8 @@ _POWERSGD_IDS = itertools.count()
 def group_rank(group_name: str, device: torch.device) -> torch.Tensor:
     """This rank's index in the group named ``group_name``, as ``int64[1]`` on ``device``."""
     group = compat.resolve_process_group(group_name)
-    return torch.full(
-        (1,), group.rank(), dtype=torch.int64, device=device
-    )  # a fill, no host-to-device copy
+    # a fill, no host-to-device copy
+    return torch.full((1,), group.rank(), dtype=torch.int64, device=device)
 
 
 @group_rank.register_fake

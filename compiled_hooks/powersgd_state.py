@@ -161,9 +161,8 @@ class PowerSGDState:
         self.random_seed = random_seed
         self.iter = 0
         self.compressing = start_powerSGD_iter == 0
-        self._slot_of: dict[
-            torch.Tensor, int
-        ] = {}  # parameter (or gradient) -> slot number, in first-call order
+        # parameter (or gradient) -> slot number, in first-call order
+        self._slot_of: dict[torch.Tensor, int] = {}
         self._slots: dict[int, _Slot] = {}
         self._per_step: int | None = None  # hook calls per step, known after the first step
         self._seen: set[int] = set()  # slots called in this step

@@ -338,10 +338,11 @@ def _poll(group: _Group) -> None:
         return
     if store.check([group.key("open")]):
         group.open = {int(c) for c in store.get(group.key("open")).decode().split(",") if c}
+    # read issued first: history is appended first
     issued, history = (
         group.issued,
         list(group.history),
-    )  # read issued first: history is appended first
+    )
     for pos in sorted(group.open - group.answered):
         if pos >= issued:
             # not there yet: this rank will check there itself, or start a graph covering it

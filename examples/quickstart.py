@@ -24,8 +24,8 @@ def train(rank: int, world_size: int, port: int | None = None) -> None:
         "nccl" if cuda else "gloo",
         rank=rank,
         world_size=world_size,
-        init_method=f"tcp://127.0.0.1:{port}" if port else None,
-    )  # None: torchrun's env://
+        init_method=f"tcp://127.0.0.1:{port}" if port else None,  # None: torchrun's env://
+    )
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     torch.manual_seed(0)  # the same initial weights on every rank
     net = torch.nn.Sequential(

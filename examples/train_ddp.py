@@ -389,9 +389,8 @@ def main() -> None:
     parser.add_argument(
         "--no-error-feedback", action="store_true", help="PowerSGD without error feedback"
     )
-    parser.set_defaults(
-        steps=None, tolerance=None
-    )  # 30 steps and 5% (bf16), 40 steps and 10% (powersgd)
+    # 30 steps and 5% (bf16), 40 steps and 10% (powersgd)
+    parser.set_defaults(steps=None, tolerance=None)
     launch(_run_args, parser.parse_args())
 
 

@@ -144,9 +144,8 @@ def _rewrite_own_row(graph: Graph, index: Node, chain, n: int, chunk_bytes: int)
         if chain.reduce_op == "avg":
             value = new_node(graph, aten.div.Tensor, (value, n))
     with graph.inserting_before(index):
-        value = reapply(
-            graph, value, chain.post
-        )  # the hook's scales and casts, on the row (elementwise)
+        # the hook's scales and casts, on the row (elementwise)
+        value = reapply(graph, value, chain.post)
         mine = new_node(graph, aten.view.default, (value, list(val(index).shape)))
     index.replace_all_uses_with(mine)
     dead = [index, *reversed(chain.post), chain.wait, chain.collective]

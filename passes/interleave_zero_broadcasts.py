@@ -74,9 +74,8 @@ from .interface import graph_pass
 __all__ = ["interleave_zero_broadcasts"]
 
 PASS = "interleave_zero_broadcasts"
-GRADIENT_COLLECTIVES = COLLECTIVES + (
-    ALL_TO_ALL,
-)  # all_to_all: all_to_all_weight_update's reduction
+# all_to_all: all_to_all_weight_update's reduction
+GRADIENT_COLLECTIVES = COLLECTIVES + (ALL_TO_ALL,)
 
 
 def _zero_broadcasts(graph: Graph) -> list[Node]:

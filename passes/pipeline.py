@@ -171,9 +171,8 @@ class Pipeline(compat.CustomGraphPass):
 
     def _run(self, graph: Graph) -> bool:
         started = time.perf_counter()
-        counted = (
-            dict(counters["passes"]) if log.isEnabledFor(logging.INFO) else None
-        )  # for the summary line
+        # for the summary line
+        counted = dict(counters["passes"]) if log.isEnabledFor(logging.INFO) else None
         # Inductor's own DDP pass (schedule_comm_wait) can hand over a graph whose nodes are not
         # in topological order (Inductor sorts only after the custom pass); sort it first, the
         # same stable way, so the passes see a valid order.

@@ -76,9 +76,8 @@ def _rewrite_own_slice(graph: Graph, index: Node, chain, n: int) -> None:
     with graph.inserting_before(chain.wait):
         value = new_node(graph, WAIT, (rs,))
     with graph.inserting_before(index):
-        value = reapply(
-            graph, value, chain.post
-        )  # the scales and casts, on the slice (elementwise: they commute)
+        # the scales and casts, on the slice (elementwise: they commute)
+        value = reapply(graph, value, chain.post)
         mine = new_node(graph, aten.view.default, (value, list(val(index).shape)))
     index.replace_all_uses_with(mine)
     for dead in [index, *reversed(chain.post), chain.wait, chain.collective]:

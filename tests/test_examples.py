@@ -21,12 +21,13 @@ def assert_guard_checked(stdout: str) -> None:
 
 
 def test_train_ddp_example_with_verified_passes():
+    # every rewrite checked
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "PASSES_VERIFY": "1",
         **GUARD,
-    }  # every rewrite checked
+    }
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--steps", "6"],
         capture_output=True,

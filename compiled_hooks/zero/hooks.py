@@ -58,16 +58,13 @@ class ZeroStep:
             order,
         )
         self.bucket_of = {i: b for b, members in enumerate(self.planned) for i in members}
-        self.arrived: dict[
-            int, torch.Tensor
-        ] = {}  # this backward's gradients not yet in a closed bucket
-        self.missing = [
-            len(members) for members in self.planned
-        ]  # per planned bucket, in this backward
+        # this backward's gradients not yet in a closed bucket
+        self.arrived: dict[int, torch.Tensor] = {}
+        # per planned bucket, in this backward
+        self.missing = [len(members) for members in self.planned]
         self.next = 0  # the first planned bucket not closed in this backward
-        self.reduced: list[
-            tuple[list, torch.Tensor | None]
-        ] = []  # buckets waiting for their update
+        # buckets waiting for their update
+        self.reduced: list[tuple[list, torch.Tensor | None]] = []
         self.started = False  # a backward is in progress (the final callback is queued)
         zero.plan_buckets(self.planned)
 
@@ -199,9 +196,8 @@ def _hook_with_zero(
     hook, on_buckets = _reducer(
         name, hook, compat.ddp_uses_python_reducer(ddp), zero.storage.reduces_ddp_buckets
     )
-    reducing: list[
-        tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]
-    ] = []  # C++ reducer, in order
+    # C++ reducer, in order
+    reducing: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]] = []
     config = getattr(ddp, "_bucket_config", None)
     core = ZeroStep(
         hook,

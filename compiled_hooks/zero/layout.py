@@ -170,9 +170,8 @@ def lay_out_state(
     runs: dict[tuple[int, ...], Run] = {}
     pieces: list[list[Piece]] = [[] for _ in numels]
     start = 0
-    free: list[list[tuple[int, int]]] = [
-        [] for _ in range(world_size)
-    ]  # per rank: (lo, hi), in order
+    # per rank: (lo, hi), in order
+    free: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
     for members, rows in candidates:
         for i, (_, at) in zip(members, rows.place):
             pieces[i] = [(start + at, numels[i])]

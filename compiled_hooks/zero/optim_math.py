@@ -98,13 +98,13 @@ def group_hyperparameters(optimizer_class: type, defaults: Hp, group: Hp) -> Hp:
             f"{getattr(optimizer_class, '__name__', optimizer_class)}"
         )
     accepted = set(inspect.signature(optimizer_class).parameters) - {"params"}
+    # a group may hold other keys
     given = {
         **defaults,
         **{k: v for k, v in group.items() if k in accepted},
-    }  # a group may hold other keys
-    probe = optimizer_class(
-        [torch.zeros(1, requires_grad=True)], **given
-    )  # torch's own argument checks
+    }
+    # torch's own argument checks
+    probe = optimizer_class([torch.zeros(1, requires_grad=True)], **given)
     hp = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
     for name, default in UNSUPPORTED.items():
         if name in hp and hp[name] not in (default, False, None):

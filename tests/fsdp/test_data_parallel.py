@@ -341,9 +341,8 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
     (_, fw), (_, bw) = graphs
     params = 9  # the tied embedding / output weight is one parameter: gathered once, reduced once
     assert len(_ops(fw, GATHER)) == params and len(_ops(bw, REDUCE_SCATTER)) == params
-    assert all(
-        n.args[0].meta["val"].dtype == torch.bfloat16 for n in _ops(fw, GATHER)
-    )  # cast, then gather
+    # cast, then gather
+    assert all(n.args[0].meta["val"].dtype == torch.bfloat16 for n in _ops(fw, GATHER))
     fw_alive, bw_alive = gathered_bytes_alive(fw.graph), gathered_bytes_alive(bw.graph)
     padded = {
         name: -(-rows // 4) * 4 * cols * 2
@@ -362,9 +361,8 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
         assert max(fw_alive) <= root + 2 * block and max(bw_alive) <= root + 2 * block
     else:
         assert len(_ops(bw, GATHER)) == 0
-        assert fw_alive[-1] >= root + 2 * (
-            padded["up.weight"] + padded["down.weight"]
-        )  # the matmuls' weights
+        # the matmuls' weights
+        assert fw_alive[-1] >= root + 2 * (padded["up.weight"] + padded["down.weight"])
 
 
 # --- Inductor with the passes: one collective per block, in the generated code ---------------

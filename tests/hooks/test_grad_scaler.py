@@ -96,9 +96,8 @@ def compiled_worker(rank, world_size):
 @pytest.mark.slow
 def test_compiled_fullgraph_step_matches_eager():
     for compiled, eager, graphs in run_ranks(compiled_worker, 2, timeout=400):
-        assert (
-            graphs >= 2
-        )  # Dynamo compiled forward and step (fullgraph: no break, or it would have raised)
+        # Dynamo compiled forward and step (fullgraph: no break, or it would have raised)
+        assert graphs >= 2
         assert _scales(compiled) == _scales(eager)
         for (_, a), (_, b) in zip(compiled, eager):
             for x, y in zip(a, b):

@@ -217,9 +217,8 @@ def test_compiled_backward_code_has_one_all_reduce_per_bucket():
     assert call.count("_c10d_functional.all_reduce_.default(") == 3, call
     assert call.count("powersgd_count.default(") == 8  # every parameter counted
     assert call.count("empty_strided_cpu((64, 64)") == 1, call
-    assert call.count("powersgd_fold_error.default(arg") == 4, (
-        call
-    )  # onto the error buffers, graph inputs
+    # onto the error buffers, graph inputs
+    assert call.count("powersgd_fold_error.default(arg") == 4, call
 
 
 def _quality_worker(rank, world_size, steps):
@@ -276,12 +275,10 @@ def test_training_quality_against_fp32_and_torch():
     pytest.importorskip("numpy", reason="torch's PowerSGDState needs numpy (a test dependency)")
     loss = run_ranks(_quality_worker, 2, 40)[0]
     final = {k: v[-1] for k, v in loss.items()}
-    assert final["ours"] <= 1.10 * final["fp32"], (
-        final
-    )  # not worse than uncompressed by more than 10%
-    assert final["ours without error feedback"] > 10 * final["ours"], (
-        final
-    )  # error feedback is what makes it work
+    # not worse than uncompressed by more than 10%
+    assert final["ours"] <= 1.10 * final["fp32"], final
+    # error feedback is what makes it work
+    assert final["ours without error feedback"] > 10 * final["ours"], final
     for step, (ours, theirs) in enumerate(zip(loss["ours"], loss["torch"])):
         assert abs(ours - theirs) <= 0.03 * theirs, (step, ours, theirs)
     ours, theirs = sum(loss["ours"][-5:]), sum(loss["torch"][-5:])

@@ -87,9 +87,8 @@ def _train(name, rank, steps, blocking=False, watch_step=None, net=None, bucket_
         return fut
 
     ddp.register_comm_hook(state, watched)
-    opt = torch.optim.SGD(
-        net.parameters(), lr=0.0 if name == "zero" else 0.1
-    )  # ZeRO steps in its hook
+    # ZeRO steps in its hook
+    opt = torch.optim.SGD(net.parameters(), lr=0.0 if name == "zero" else 0.1)
     grads, watched_calls = [], None
     for step in range(steps):
         opt.zero_grad()

@@ -11,13 +11,14 @@ from passes.testing import trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 
+# (4, 32) and the bias do not compress at rank 2
 SHAPES = [
     (32, 16),
     (32,),
     (32, 32),
     (4, 32),
     (64, 8, 3),
-]  # (4, 32) and the bias do not compress at rank 2
+]
 
 
 def powersgd_graph(shapes=SHAPES, rank=2, world_size=2):
@@ -53,9 +54,8 @@ class TestBucketLowRankFactors(PassTestCase):
     def test_one_all_reduce_per_round(self):
         gm = powersgd_graph()
         before = copy_graph(gm.graph)
-        self.assertEqual(
-            len(all_reduces(gm)), 8
-        )  # 3 compressed gradients x (P, Q) + 2 uncompressed
+        # 3 compressed gradients x (P, Q) + 2 uncompressed
+        self.assertEqual(len(all_reduces(gm)), 8)
         self.assertRewrites(gm, bucket_low_rank_factors)
         # In the order of their last inputs: the uncompressed bucket (averaged: the division
         # folded; 32 + 4x32 elements), P (summed; 32x2 + 32x2 + 64x2), Q (averaged; 16x2 + 32x2 +

@@ -11,9 +11,8 @@ from tests.passcase import PassTestCase
 
 class TestFold(PassTestCase):
     def trace_hook(self, kind, sharded, world_size=8):
-        _ = trace(
-            lambda: None, world_size=world_size
-        )  # make the group first: the hook's state reads it
+        # make the group first: the hook's state reads it
+        _ = trace(lambda: None, world_size=world_size)
         return trace(hook_fn(kind, sharded), *hook_args(sharded, world_size), world_size=world_size)
 
     def test_bf16_all_reduce_becomes_avg(self):

@@ -65,9 +65,8 @@ return convert_element_type_1""",
         reads its cat afterwards, and the step computes the same values."""
         for world_size, kind in [(2, "fp32"), (4, "bf16")]:
             zero = zero_optimizer(world_size, ((3,), (2, 3), (4,), (5,)), torch.optim.AdamW)
-            fn, args = zero_step_fn(
-                zero, kind, interleaved=True, bucket_bytes=30
-            )  # two buckets of two
+            # two buckets of two
+            fn, args = zero_step_fn(zero, kind, interleaved=True, bucket_bytes=30)
             gm = trace(fn, *args(), world_size=world_size)
             before = copy_graph(gm.graph)
             self.assertRewrites(gm, fuse_cat_prologue)

@@ -102,9 +102,8 @@ return add""",
 def test_check_ranks_option(monkeypatch, fake_pg):
     assert not default_pipeline().check_ranks
     assert default_pipeline(check_ranks=True).check_ranks
-    assert (
-        default_pipeline().uuid() != default_pipeline(check_ranks=True).uuid()
-    )  # FX graph cache key
+    # FX graph cache key
+    assert default_pipeline().uuid() != default_pipeline(check_ranks=True).uuid()
     assert "check_ranks=True" in repr(default_pipeline(check_ranks=True))
     monkeypatch.setenv("PASSES_CHECK_RANKS", "1")
     assert default_pipeline().check_ranks and not default_pipeline(check_ranks=False).check_ranks
@@ -134,7 +133,6 @@ def test_fast_path_is_a_lookup_on_groups_with_nothing_to_compare(fake_pg):
     insert_rank_guard(gm.graph)
     gm.recompile()
     record = _record(gm)
-    torch.ops.compiled_hooks.check_ranks(
-        json.dumps(record)
-    )  # a fake group: nothing to compare with
+    # a fake group: nothing to compare with
+    torch.ops.compiled_hooks.check_ranks(json.dumps(record))
     torch.ops.compiled_hooks.check_ranks(json.dumps(record))

@@ -81,9 +81,8 @@ def test_install_takes_options_for_the_default_pipeline():
     assert inductor_config.post_grad_custom_post_pass is None
     with pytest.raises(ValueError, match=r"no pass takes option\(s\) \['bucket_cap'\]"):
         install(options={"bucket_cap": 3.0})
-    assert (
-        inductor_config.post_grad_custom_post_pass is None
-    )  # refused before anything was installed
+    # refused before anything was installed
+    assert inductor_config.post_grad_custom_post_pass is None
     with pytest.raises(ValueError, match="pass options= to the Pipeline you give"):
         install(Pipeline([fold_collective_scaling]), options={"avg_backends": ("nccl",)})
 
@@ -102,9 +101,8 @@ def test_install_restores_previous_config():
     assert inductor_config.post_grad_custom_post_pass is None
     with install() as pipeline:
         assert inductor_config.post_grad_custom_post_pass is pipeline
-        with install(
-            Pipeline([fold_collective_scaling])
-        ) as inner:  # a pipeline may replace a pipeline
+        # a pipeline may replace a pipeline
+        with install(Pipeline([fold_collective_scaling])) as inner:
             assert inductor_config.post_grad_custom_post_pass is inner
         assert inductor_config.post_grad_custom_post_pass is pipeline
     assert inductor_config.post_grad_custom_post_pass is None
@@ -135,13 +133,13 @@ def test_install_runs_after_the_users_own_custom_pass_and_leaves_it_alone_on_exi
             counters["passes"].clear()
             torch.compile(hook_fn("bf16", sharded=False), fullgraph=True)(torch.randn(64))
         assert inductor_config.post_grad_custom_post_pass is users_pass  # back, alone
-        assert (
-            seen and seen[0][0] == "user" and seen[0][1] > 0
-        )  # the user's pass ran (before the fold)
+        # the user's pass ran (before the fold)
+        assert seen and seen[0][0] == "user" and seen[0][1] > 0
+        # and the pipeline ran too
         assert any(
             k.startswith("fold_collective_scaling") and "skipped" not in k
             for k in counters["passes"]
-        ), dict(counters["passes"])  # and the pipeline ran too
+        ), dict(counters["passes"])
         with install() as outer:
             with install() as inner:  # a pipeline replaces a pipeline, the user's pass stays
                 assert installed() == [users_pass, inner]
@@ -201,14 +199,16 @@ def test_fx_graph_cache_entries_follow_pipeline_options():
     with fresh_cache(), inductor_config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
         assert compile_once(default_pipeline()) == (0, 1)
         assert compile_once(default_pipeline()) == (1, 0)  # same options: same entry
+        # other options: new entry
         assert compile_once(default_pipeline(bucket_cap_mb=5.0)) == (
             0,
             1,
-        )  # other options: new entry
+        )
+        # other passes: new entry
         assert compile_once(Pipeline([fold_collective_scaling])) == (
             0,
             1,
-        )  # other passes: new entry
+        )
 
 
 def test_package_exports():

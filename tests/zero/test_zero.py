@@ -431,9 +431,8 @@ def test_traced_whole_parameter_step_writes_each_state_in_place_and_bias_terms_o
         if n.op == "call_function"
     )
     assert not [op for op in ops if "scatter" in op or op.startswith("pow")], ops
-    assert ops["index_put.default"] == 4 * 2 + 1, (
-        ops
-    )  # 4 members x (exp_avg, exp_avg_sq), the step counts
+    # 4 members x (exp_avg, exp_avg_sq), the step counts
+    assert ops["index_put.default"] == 4 * 2 + 1, ops
     assert ops["exp.default"] == 2, ops  # beta1**t and beta2**t, for the whole bucket
 
 
@@ -461,9 +460,8 @@ def test_traced_whole_parameter_step_computes_only_this_ranks_row(optimizer, kw)
     gm = trace(fn, *args(), world_size=2)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     ops = Counter(getattr(n.target, "__name__", str(n.target)) for n in nodes)
-    assert ops["index_put.default"] == len(zero.storage.buffers) + 1, (
-        ops
-    )  # one slice per state, the step counts
+    # one slice per state, the step counts
+    assert ops["index_put.default"] == len(zero.storage.buffers) + 1, ops
     # the update: the arithmetic between reading the own row and broadcasting, over the row only
     # (the step scalars are one per member); before, every member's update, at its own size
     names = [getattr(n.target, "__name__", "") for n in nodes]
@@ -603,17 +601,17 @@ def test_seed_style_hooks_train_like_the_unsharded_optimizer():
         fp16 = "fp16" in key[0]
         for step, (got, ref) in enumerate(zip(zero_run, plain_run)):
             for i, (a, b) in enumerate(zip(got, ref)):
-                atol = (
-                    1e-4 * b.abs().max().item() if fp16 else 1e-7
-                )  # fp16: relative to the largest element
+                # fp16: relative to the largest element
+                atol = 1e-4 * b.abs().max().item() if fp16 else 1e-7
                 torch.testing.assert_close(
                     a, b, rtol=0 if fp16 else 1e-6, atol=atol, msg=f"{key} step {step} param {i}"
                 )
+                # ranks agree bitwise
                 assert torch.equal(a, outcomes[1][key][0][step][i]), (
                     key,
                     step,
                     i,
-                )  # ranks agree bitwise
+                )
 
 
 def partial_step_worker(rank, world_size, compiled):
@@ -633,9 +631,8 @@ def partial_step_worker(rank, world_size, compiled):
             ddp.register_comm_hook(
                 ch.DefaultState(dist.group.WORLD), hook_with_zero_step(ch.allreduce_hook, ddp, opt)
             )
-            assert [len(key) for key in opt.storage.runs] == [9], (
-                opt.storage.runs
-            )  # one bucket, planned
+            # one bucket, planned
+            assert [len(key) for key in opt.storage.runs] == [9], opt.storage.runs
         else:
             opt = cls(net.parameters(), foreach=False, **kw)
         history, uniform = [], []

@@ -161,18 +161,18 @@ def check(outcomes, world_size):
                     torch.testing.assert_close(
                         a, b, rtol=1e-6, atol=1e-7, msg=f"{key} rank {rank} step {step} param {i}"
                     )
+                    # ranks agree
                     assert torch.equal(a, outcomes[0][key]["history"][step][i]), (
                         key,
                         rank,
                         step,
                         i,
-                    )  # ranks agree
+                    )
             assert got["recompiles"] == [], (key, got["recompiles"])
             if max_norm is not None:
                 torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-6, atol=0, msg=str(key))
-                assert sum(n > max_norm for n in ref_norms) >= STEPS // 2, (
-                    ref_norms
-                )  # the test clips
+                # the test clips
+                assert sum(n > max_norm for n in ref_norms) >= STEPS // 2, ref_norms
 
 
 GROUPS = [
@@ -342,9 +342,8 @@ def save_worker(rank, world_size, root):
         with Allocations() as allocated:
             state["optim"] = get_optimizer_state_dict(net, zero)
             dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/{shard}", thread_count=1))
-        full_state = 2 * sum(
-            p.numel() * p.element_size() for p in net.parameters()
-        )  # exp_avg, exp_avg_sq
+        # exp_avg, exp_avg_sq
+        full_state = 2 * sum(p.numel() * p.element_size() for p in net.parameters())
         # the one-file checkpoint: consolidated on rank 0, loaded by plain AdamW, one step on
         zero.consolidate_state_dict(to=0)
         plain = None

@@ -329,13 +329,14 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put)""",
         )
         check_rewrite(PASS_A2A, before, gm.graph)
         self.assertEqual(counts(gm), (0, 0, 2, 2, 0))
+        # not the step scalars' table
         joins = [
             n
             for n in gm.graph.nodes
             if n.target is torch.ops.aten.cat.default
             and n.args[1:] == (1,)
             and n.meta["val"].dtype != torch.float64
-        ]  # not the step scalars' table
+        ]
         self.assertEqual(joins, [])
         self.assertEqual(counters["passes"][f"{PASS_A2A}: row read from the gathered chunks"], 2)
 
