@@ -24,9 +24,11 @@ rank-major piece of the bucket's output::
 
 The bucket goes out where its first member did (its members' inputs depend only on the
 parameters, which are ready from the start) and is waited right before the first use of any
-member's result. Members are left alone (and counted) when their inputs are not all ready
-there. The order of buckets is the graph's, the same on every rank; the sizes come from the
-padded shards, which are equal on every rank. Idempotent: a block holds one all-gather after it.
+member's result. An input computed later that is a view or a cast of ready values (a shard's
+view that backward also saves) moves up to the bucket; members with any other input not ready
+there are left alone (and counted). The order of buckets is the graph's, the same on every
+rank; the sizes come from the padded shards, which are equal on every rank. Idempotent: a block
+holds one all-gather after it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from torch.fx import Graph, Node
 
 from ._graph import (
     ALL_GATHER,
+    CAST_OPS,
+    VIEW_OPS,
     WAIT,
     aten,
     block_of,
@@ -75,6 +79,23 @@ def _candidates(graph: Graph) -> dict[tuple, list[Node]]:
     return {k: v for k, v in groups.items() if len(v) > 1}
 
 
+def _hoistable(external: list[Node], order: dict[Node, int], at: Node) -> list[Node] | None:
+    """The members' inputs computed after ``at`` (None when one cannot move before it).
+
+    Such an input moves up when it is a view or a cast of values ready at ``at`` (or of other
+    such inputs): pure, so computing it earlier changes nothing but when its output exists. The
+    partitioner leaves these where a shard's view or cast is also saved for backward, and so
+    has a user besides the all-gather."""
+    late = sorted({i for i in external if order[i] >= order[at]}, key=order.__getitem__)
+    moved: set[Node] = set()
+    for node in late:
+        inputs_ready = all(order[i] < order[at] or i in moved for i in node.all_input_nodes)
+        if not (is_op(node, VIEW_OPS + CAST_OPS) and inputs_ready):
+            return None
+        moved.add(node)
+    return late
+
+
 def _merge(graph: Graph, members: list[Node], order: dict[Node, int]) -> bool:
     cones = {ag: input_cone(ag) for ag in members}
     inside = {n for cone in cones.values() for n in cone}
@@ -85,14 +106,15 @@ def _merge(graph: Graph, members: list[Node], order: dict[Node, int]) -> bool:
     users = [u for w in waits for u in w.users]
     first_use = min(users, key=order.__getitem__)
     at = members[0]
-    if any(order[i] >= order[at] for i in external):
+    late = _hoistable(external, order, at)
+    if late is None:
         record(
             PASS,
             "skipped bucket: a member's input is not ready where the first member goes out",
             at,
         )
         return False
-    for n in sorted(inside, key=order.__getitem__):
+    for n in sorted([*late, *inside], key=order.__getitem__):
         at.prepend(n)
     size, group = at.args[1], at.args[2]
     with graph.inserting_before(at):

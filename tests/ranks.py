@@ -29,9 +29,8 @@ class RankError(RuntimeError):
 
 @dataclasses.dataclass
 class Outcome:
-    status: (
-        str  # "ok", "error" (raised), "died" (no report, non-zero exit), "hung" (no report in time)
-    )
+    # "ok", "error" (raised), "died" (no report, non-zero exit), "hung" (no report in time)
+    status: str
     result: Any = None  # what fn returned, or the error text
     seconds: float | None = None  # from start to report
     exitcode: int | None = None  # None while the process still ran when it was killed

@@ -18,10 +18,11 @@ import torch
 from . import fsdp2 as _fsdp2
 from . import native as _native
 from .fsdp2 import ALREADY, ROOT_ONLY, HookAllReduce, HookReduceScatter
-from .native import MODES, DataParallelState, data_parallel, is_data_parallel
+from .native import MODES, DataParallelState, data_parallel, default_blocks, is_data_parallel
 
 __all__ = [
     "data_parallel",
+    "default_blocks",
     "register_comm_hook",
     "get_comm_hook",
     "is_data_parallel",

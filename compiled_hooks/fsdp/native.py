@@ -12,15 +12,17 @@ backward, collectives included, as one graph (the SimpleFSDP design).
   back in the parameter's dtype as the DTensor gradient of the shard.
 - A parameter held by several modules (tied embeddings) stays one parameter: it is gathered
   once per forward and its gradient, the sum over its uses, is reduced once.
-- Blocks: the parameters of one block are gathered together (the passes bucket them). By
-  default a block is each child of the outermost ``nn.ModuleList`` / ``nn.Sequential`` that
-  has parameters, and the root holds the rest. Each block's floating-point inputs are cast to
-  ``param_dtype``, like FSDP2's ``cast_forward_inputs``.
+- Blocks: the parameters of one block are gathered together (the passes bucket them), and the
+  root holds the rest. Each block's floating-point inputs are cast to ``param_dtype``, like
+  FSDP2's ``cast_forward_inputs``. By default (:func:`default_blocks`) the blocks are the
+  layers of the outermost layer stacks; a model with parameters in several modules and no
+  stack found gets a warning naming ``blocks=``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -38,7 +40,7 @@ from ..state import DefaultState, LowPrecisionState
 from .fsdp2 import ALREADY, ROOT_ONLY
 from .gather import Layout, Reduction, gather
 
-__all__ = ["data_parallel", "DataParallelState", "MODES"]
+__all__ = ["data_parallel", "default_blocks", "DataParallelState", "MODES"]
 
 MODES = {"fully_shard": 1, "replicate": 1, "hybrid_shard": 2}  # mode -> mesh dimensions
 _CLASSES: dict[tuple[type, frozenset, bool], type] = {}
@@ -139,21 +141,71 @@ def _swap_class(module: nn.Module, names: Iterable[str], root: bool) -> None:
     module.__class__ = _CLASSES[key]
 
 
-def _default_blocks(module: nn.Module) -> dict[str, nn.Module]:
+def _is_stack(container: nn.Module, layers: dict[str, nn.Module]) -> bool:
+    """Whether ``container``, whose children with parameters are ``layers``, is a stack of layers.
+
+    A list or a sequence always is. A dict is one when it holds two or more layers keyed by
+    index (torchtitan's ``layers["0"]``) or all of one class; otherwise it is a namespace of a
+    model's parts (nanoGPT's ``transformer``: ``wte``, ``wpe``, ``h``, ``ln_f``), and the search
+    goes on inside it."""
+    if isinstance(container, (nn.ModuleList, nn.Sequential)):
+        return True
+    if not isinstance(container, nn.ModuleDict) or len(layers) < 2:
+        return False
+    return all(k.isdigit() for k in layers) or len({type(m) for m in layers.values()}) == 1
+
+
+def default_blocks(module: nn.Module) -> dict[str, nn.Module]:
+    """The blocks :func:`data_parallel` uses without ``blocks=``: path -> block.
+
+    The children with parameters of every outermost stack of layers, in registration order. A
+    stack is an ``nn.ModuleList`` or ``nn.Sequential``, or an ``nn.ModuleDict`` with two or more
+    children with parameters, keyed by index or all of one class (see :func:`_is_stack`);
+    subclasses count. The search walks down from ``module``, which may be a stack itself
+    (``nn.Sequential(a, b)`` gives ``{"0": a, "1": b}``), and does not enter a stack it found.
+
+    ::
+
+        torchtitan Llama  layers (ModuleDict of TransformerBlock)  -> layers.0, layers.1, ...
+        HF GPT-2          transformer.h (ModuleList)               -> transformer.h.0, ...
+        HF Llama          model.layers (ModuleList)                -> model.layers.0, ...
+        nanoGPT           transformer (ModuleDict of mixed parts)
+                            .h (ModuleList)                        -> transformer.h.0, ...
+    """
     blocks: dict[str, nn.Module] = {}
 
+    def has_parameters(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
     def visit(prefix: str, m: nn.Module) -> None:
-        for name, child in m.named_children():
-            path = f"{prefix}{name}"
-            if isinstance(m, (nn.ModuleList, nn.Sequential)) and any(
-                True for _ in child.parameters()
-            ):
-                blocks[path] = child
-            else:
-                visit(path + ".", child)
+        children = list(m.named_children())
+        layers = {n: c for n, c in children if has_parameters(c)}
+        if _is_stack(m, layers):
+            blocks.update((prefix + n, c) for n, c in layers.items())
+            return
+        for n, c in children:
+            visit(f"{prefix}{n}.", c)
 
     visit("", module)
     return blocks
+
+
+def _warn_no_blocks(module: nn.Module) -> None:
+    """Warn when ``module`` spreads its parameters over several modules and no block was found:
+    every parameter is then gathered with the root."""
+    holders = [m for m in module.modules() if any(p is not None for p in m._parameters.values())]
+    if len(holders) <= 1:
+        return
+    warnings.warn(
+        f"data_parallel: no blocks found in {type(module).__name__} (no nn.ModuleList, "
+        "nn.Sequential or nn.ModuleDict of layers): all parameters are gathered "
+        "together with the root, so the whole model is gathered at once in forward and backward "
+        "and no gather overlaps another block's compute. Pass blocks=[...] (for example the "
+        "transformer layers), or blocks=[] to gather everything with the root without this "
+        "warning.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _check(module: nn.Module, mesh: DeviceMesh, mode: str, mp_policy: Any, reshard: Any) -> None:
@@ -224,7 +276,7 @@ def data_parallel(
     """Shard ``module`` over ``mesh`` in place and return it; see the module docstring.
 
     ``blocks``: the modules whose parameters are gathered together and whose inputs are cast
-    (default: the children of the outermost ``ModuleList`` / ``Sequential`` containers). No
+    (default: :func:`default_blocks`, the layers of the outermost layer stacks). No
     communication happens here: every rank must hold the same initial parameters, as FSDP2
     assumes.
     """
@@ -232,7 +284,9 @@ def data_parallel(
     mp_policy = mp_policy or MixedPrecisionPolicy()
     paths = {m: p for p, m in module.named_modules()}
     if blocks is None:
-        block_map = _default_blocks(module)
+        block_map = default_blocks(module)
+        if not block_map:
+            _warn_no_blocks(module)
     else:
         block_map = {}
         for b in blocks:

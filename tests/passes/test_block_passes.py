@@ -18,7 +18,7 @@ from passes import (
     reduce_scatter_as_all_to_all,
     schedule_collectives,
 )
-from passes._graph import ALL_GATHER, REDUCE_SCATTER
+from passes._graph import ALL_GATHER, CAST_OPS, REDUCE_SCATTER
 from passes._graph import ALL_TO_ALL as passes_ALL_TO_ALL
 from passes.testing import gathered_bytes_alive, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
@@ -123,6 +123,37 @@ return mul_1""",
 
         _ = trace(lambda: None, world_size=2)
         gm = mark(trace(fn, torch.randn(2), world_size=2), ["0", "0"])
+        self.assertUntouched(gm, bucket_block_all_gathers, "a member's input is not ready")
+
+    @staticmethod
+    def late_input_graph(make_input):
+        """Two members; the second's input, ``make_input(b)`` of a float64 ``b``, is computed
+        after the first member's result is used, and is returned too (a user besides the
+        all-gather, as where backward saves a shard's cast)."""
+
+        def fn(a, b):
+            g = dist.group.WORLD
+            x = torch.sin(all_gather_single(a, 0, g))
+            late = make_input(b)
+            return x.sum() * all_gather_single(late, 0, g), late
+
+        _ = trace(lambda: None, world_size=2)
+        b = torch.randn(6, dtype=torch.float64)
+        return mark(trace(fn, torch.randn(2), b, world_size=2), ["0", "0"])
+
+    def test_a_cast_computed_later_moves_up_to_the_bucket(self):
+        gm = self.late_input_graph(lambda b: b.float())
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, bucket_block_all_gathers)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        [gather] = [n for n in gm.graph.nodes if n.target is ALL_GATHER]
+        [cast] = [n for n in gm.graph.nodes if n.target in CAST_OPS]
+        self.assertLess(order[cast], order[gather])
+        self.assertEqual(len(cast.users), 2)  # the bucket's cat, and the output
+        self.assertTrue(check_rewrite("bucket_block_all_gathers", before, gm.graph))
+
+    def test_compute_computed_later_is_left_where_it_is(self):
+        gm = self.late_input_graph(lambda b: b.cos().float())
         self.assertUntouched(gm, bucket_block_all_gathers, "a member's input is not ready")
 
 
