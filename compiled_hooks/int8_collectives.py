@@ -1,0 +1,66 @@
+"""Sum across ranks with int8 on the wire: the collectives under the int8 hooks (ZeRO++'s qgZ
+shape), written with functional collectives so ``torch.compile`` traces them whole.
+
+Reduce-scatter: each rank quantizes its tensor, one row per destination rank
+(:func:`compiled_hooks.quantize.quantize`: int8 blocks and fp32 scales), exchanges the rows
+with two all-to-alls issued together (the payload and the scales), and dequantizes and sums
+what it received in fp32, in rank order::
+
+    x_r            f32[N * s]       on rank r (N ranks, s elements a shard)
+    q_r, scales_r  = quantize(x_r as [N, s])
+    recv           = all_to_all(q_r), all_to_all(scales_r)   row j: rank j's row for this rank
+    shard          = sum_j dequantize(recv[j])              f32[s], in j = 0 .. N-1 order
+
+All-reduce: the reduce-scatter, then this rank's shard quantized again and all-gathered, and
+every shard dequantized. Every rank dequantizes the same gathered bytes, its own shard
+included, so every rank ends with the same values, bit for bit.
+
+Error per element (``B(t)`` = the absmax of ``t``'s block over 254, see :mod:`.quantize`):
+the reduce-scatter's shard is within ``sum_j B(x_j)`` of the exact sum; the all-reduce adds
+``B(shard)``. Non-finite values stay non-finite. The sum is taken in fp32 whatever the input's
+dtype; the result is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as fcol
+import torch.nn.functional as F
+
+from . import compat
+from .quantize import dequantize, quantize
+
+__all__ = ["int8_reduce_scatter", "int8_all_reduce"]
+
+
+def int8_reduce_scatter(
+    x: torch.Tensor, world_size: int, group: Any, block_size: int
+) -> torch.Tensor:
+    """This rank's shard (fp32, ``x.numel() // world_size`` elements) of the sum over the ranks
+    of ``x``, rank-major: rank ``r`` gets elements ``[r * s, (r + 1) * s)``. ``x.numel()`` must
+    be a multiple of ``world_size`` (the caller checks)."""
+    rows = x.reshape(world_size, -1)
+    q, scales = quantize(rows, block_size)
+    q_recv = fcol.all_to_all_single(q, None, None, group)
+    scales_recv = fcol.all_to_all_single(scales, None, None, group)
+    return dequantize(q_recv, scales_recv, rows.shape[1]).sum(0)
+
+
+def int8_all_reduce(
+    x: torch.Tensor, world_size: int, group: Any, block_size: int, post: float = 1.0
+) -> torch.Tensor:
+    """The sum over the ranks of ``x``, divided by ``post``, in fp32 with ``x``'s shape; the same
+    on every rank, bit for bit. ``x`` of any size: it is padded to whole shards."""
+    n = x.numel()
+    shard = math.ceil(n / world_size)
+    flat = F.pad(x.reshape(-1), (0, shard * world_size - n))
+    mine = int8_reduce_scatter(flat, world_size, group, block_size)
+    if post != 1.0:
+        mine = mine / post
+    q, scales = quantize(mine.unsqueeze(0), block_size)
+    q_all = compat.all_gather_single(q, 0, group)
+    scales_all = compat.all_gather_single(scales, 0, group)
+    return dequantize(q_all, scales_all, shard).reshape(-1)[:n].view(x.shape)

@@ -1,0 +1,96 @@
+"""compiled_hooks.int8_collectives on gloo ranks: the reduce-scatter within the sum of the ranks'
+block bounds of the exact sum, the all-reduce the same on every rank bit for bit and within one
+more bound, non-finite values kept non-finite; and one traced graph (fake process group)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from compiled_hooks.int8_collectives import int8_all_reduce, int8_reduce_scatter
+from compiled_hooks.quantize import QMAX
+from passes._graph import ALL_GATHER, ALL_TO_ALL
+from passes.testing import trace
+from tests.ranks import run_ranks
+
+BLOCK = 16
+
+
+def local(rank, n, dtype=torch.float32):
+    """Rank ``rank``'s tensor: magnitudes over four decades, different on every rank."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(n, generator=g) * 10 ** torch.randint(-2, 2, (n,), generator=g)).to(dtype)
+
+
+def block_bound(x, block_size):
+    """Each element's round-trip bound (absmax of its block / 254, plus fp32 rounding), for a
+    1-D ``x`` cut into ``rows`` of whole blocks."""
+    n = x.numel()
+    padded = torch.nn.functional.pad(x.float().abs(), (0, -n % block_size))
+    amax = padded.view(-1, block_size).amax(1, keepdim=True).expand(-1, block_size)
+    return (amax / (2 * QMAX) + amax * 2**-22).reshape(-1)[:n]
+
+
+def row_bound(x, world_size, block_size):
+    """:func:`block_bound` of each destination row of ``x`` (the reduce-scatter's blocks)."""
+    return torch.cat([block_bound(row, block_size) for row in x.view(world_size, -1)])
+
+
+def worker(rank, world_size, n, dtype):
+    group = dist.group.WORLD
+    x = local(rank, n, dtype)
+    shard = int8_reduce_scatter(x, world_size, group, BLOCK)
+    average = int8_all_reduce(x, world_size, group, BLOCK, post=world_size)
+    return shard, average
+
+
+@pytest.mark.parametrize("world_size, n", [(2, 96), (4, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sums_within_the_block_bounds_and_the_same_on_every_rank(world_size, n, dtype):
+    results = run_ranks(worker, world_size, n, dtype)
+    xs = [local(r, n, dtype).float() for r in range(world_size)]
+    exact = sum(xs)
+    padded = [torch.nn.functional.pad(x, (0, -n % world_size)) for x in xs]
+    s = padded[0].numel() // world_size
+    rs_bound = sum(row_bound(x, world_size, BLOCK) for x in padded)
+    for rank, (shard, _) in enumerate(results):
+        if n % world_size == 0:
+            assert shard.dtype == torch.float32 and shard.shape == (s,)
+            err = (shard - exact[rank * s : (rank + 1) * s]).abs()
+            assert (err <= rs_bound[rank * s : (rank + 1) * s]).all()
+    averages = [average for _, average in results]
+    assert all(torch.equal(a, averages[0]) for a in averages)  # bit for bit
+    assert averages[0].dtype == torch.float32 and averages[0].shape == (n,)
+    # the reduce-scatter's bound, then the second quantization's, of the summed shards
+    summed = sum(padded)
+    second = torch.cat(
+        [block_bound(row, BLOCK) for row in (summed / world_size).view(world_size, -1)]
+    )
+    limit = (rs_bound / world_size + second * (1 + 2**-20))[:n]
+    err = (averages[0] - exact / world_size).abs()
+    assert (err <= limit).all(), (err / limit).max()
+
+
+def nonfinite_worker(rank, world_size, bad):
+    x = torch.linspace(-1, 1, 64)
+    if rank == 1:
+        x[3] = bad
+    return int8_all_reduce(x, world_size, dist.group.WORLD, BLOCK)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_stays_non_finite(bad):
+    for out in run_ranks(nonfinite_worker, 2, bad):
+        assert not torch.isfinite(out[:BLOCK]).any()  # the block that held it, never finite garbage
+        assert torch.isfinite(out[BLOCK:]).all()
+
+
+def test_traces_as_all_to_alls_and_all_gathers():
+    gm = trace(
+        lambda x: int8_all_reduce(x, 4, dist.group.WORLD, BLOCK, post=4),
+        torch.randn(100),
+        world_size=4,
+    )
+    ops = [n.target for n in gm.graph.nodes if n.target in (ALL_TO_ALL, ALL_GATHER)]
+    assert ops == [ALL_TO_ALL, ALL_TO_ALL, ALL_GATHER, ALL_GATHER]
+    int8 = [n for n in gm.graph.nodes if n.target in (ALL_TO_ALL, ALL_GATHER)][::2]
+    assert all(n.args[0].meta["val"].dtype == torch.int8 for n in int8)
