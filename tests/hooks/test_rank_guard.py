@@ -25,7 +25,11 @@ from tests.ranks import rank_outcomes, run_ranks
 
 pytestmark = pytest.mark.slow  # every test compiles on several ranks
 
-GROUP_TIMEOUT = datetime.timedelta(seconds=10)
+# Without the guard, a short group timeout ends the ranks that wait in a collective that never
+# comes. With it, the group's timeout is also how long a rank checking a new graph waits for the
+# others to reach it (compiling, on a loaded machine, may take longer than 10 s), so the guarded
+# runs get a long one; the test bounds their time by itself.
+GROUP_TIMEOUT = {False: datetime.timedelta(seconds=10), True: datetime.timedelta(seconds=120)}
 
 
 CASES = ("order", "size", "recompile")  # (c) last: it leaves its group blocked until a rank exits
@@ -33,7 +37,7 @@ CASES = ("order", "size", "recompile")  # (c) last: it leaves its group blocked 
 
 def _diverge(rank: int, world_size: int, case: str, guard: bool):
     """Run ``case`` on a group of its own; (name of what was raised, message, seconds)."""
-    group = dist.new_group(list(range(world_size)), timeout=GROUP_TIMEOUT)
+    group = dist.new_group(list(range(world_size)), timeout=GROUP_TIMEOUT[guard])
 
     @torch.compile(dynamic=False)
     def step(a, b):
