@@ -1,6 +1,7 @@
 """Functions whose traced graphs look like what the passes meet: one hook call
-(hook-shaped), or a backward that reduces one gradient after another (DDP-shaped: gradient
-compute, then the hook, results written to the gradients at the end)."""
+(hook-shaped), a backward that reduces one gradient after another (DDP-shaped: gradient
+compute, then the hook, results written to the gradients at the end), or a compiled
+``data_parallel`` step's partitioned forward and backward."""
 
 from unittest import mock
 
@@ -8,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 import compiled_hooks as ch
+from passes._graph import ALL_GATHER, REDUCE_SCATTER
+from passes.testing import partitioned_graphs
 
 HOOKS = {
     "fp32": (ch.allreduce_hook, ch.reduce_scatter_hook, ch.DefaultState),
@@ -116,3 +119,17 @@ def zero_optimizer(
     fake_process_group(world_size)
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     return ZeroOptimizer(params, optimizer, shard_buckets=shard_buckets, lr=0.1, **kw)
+
+
+def data_parallel_graphs(model, tokens) -> list[tuple[str, torch.fx.GraphModule]]:
+    """The partitioned graphs of one step of ``torch.compile(model, fullgraph=True)`` (a
+    ``data_parallel`` module, on the fake process group it was sharded on): ``("forward", gm)``,
+    ``("backward", gm)``, and more only where the step broke the graph."""
+    return partitioned_graphs(
+        lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward()
+    )
+
+
+def gather_reduce_counts(gm: torch.fx.GraphModule) -> list[int]:
+    """``[all-gathers, reduce-scatters]`` in ``gm``."""
+    return [sum(n.target is op for n in gm.graph.nodes) for op in (ALL_GATHER, REDUCE_SCATTER)]

@@ -17,8 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import compiled_hooks as ch
 from compiled_hooks.fsdp import ALREADY, ROOT_ONLY, data_parallel, get_comm_hook, register_comm_hook
-from passes.testing import fake_process_group, gathered_bytes_alive, partitioned_graphs
+from passes.testing import fake_process_group, gathered_bytes_alive
 from tests.fsdp.test_fsdp import _raises
+from tests.graphs import data_parallel_graphs
 from tests.ranks import run_ranks
 
 VOCAB, DIM, HIDDEN = 10, 8, 13  # rows 10 and 13: shards of uneven size on 2 and 4 ranks
@@ -333,10 +334,7 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
     model = data_parallel(
         Net(), init_device_mesh("cpu", (4,)), reshard_after_forward=reshard, mp_policy=BF16
     )
-    tokens = torch.randint(0, VOCAB, (4, 6))
-    graphs = partitioned_graphs(
-        lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward()
-    )
+    graphs = data_parallel_graphs(model, torch.randint(0, VOCAB, (4, 6)))
     assert [kind for kind, _ in graphs] == ["forward", "backward"]  # no graph break
     (_, fw), (_, bw) = graphs
     params = 9  # the tied embedding / output weight is one parameter: gathered once, reduced once

@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from compiled_hooks.fsdp import data_parallel, default_blocks
 from passes import bucket_block_all_gathers, bucket_block_reduce_scatters
-from passes._graph import ALL_GATHER, REDUCE_SCATTER
-from passes.testing import fake_process_group, partitioned_graphs
+from passes.testing import fake_process_group
+from tests.graphs import data_parallel_graphs, gather_reduce_counts
 
 VOCAB, DIM, LAYERS = 16, 8, 3
 
@@ -220,20 +220,12 @@ def test_module_dict_blocks_one_all_gather_and_one_reduce_scatter_each_after_the
     root and each layer once, and the backward reduce-scatters each once."""
     fake_process_group(4)
     model = data_parallel(TitanDecoder(), init_device_mesh("cpu", (4,)))
-    tokens = torch.randint(0, VOCAB, (2, 5))
-    graphs = dict(
-        partitioned_graphs(
-            lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward()
-        )
-    )
     counts = {}
-    for kind, gm in graphs.items():
+    for kind, gm in data_parallel_graphs(model, torch.randint(0, VOCAB, (2, 5))):
         bucket_block_all_gathers(gm.graph)
         bucket_block_reduce_scatters(gm.graph)
         gm.graph.lint()
-        counts[kind] = [
-            sum(n.target is op for n in gm.graph.nodes) for op in (ALL_GATHER, REDUCE_SCATTER)
-        ]
+        counts[kind] = gather_reduce_counts(gm)
     blocks = 1 + LAYERS  # the root (embedding, norm, head) and each layer
     # the backward gathers again (reshard_after_forward=True)
     assert counts == {"forward": [blocks, 0], "backward": [blocks, blocks]}

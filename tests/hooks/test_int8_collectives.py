@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from compiled_hooks.int8_collectives import int8_all_reduce, int8_reduce_scatter
-from compiled_hooks.quantize import QMAX
 from passes._graph import ALL_GATHER, ALL_TO_ALL
 from passes.testing import trace
+from tests.hooks.test_quantize import block_absmax, bound
 from tests.ranks import run_ranks
 
 BLOCK = 16
@@ -22,12 +22,9 @@ def local(rank, n, dtype=torch.float32):
 
 
 def block_bound(x, block_size):
-    """Each element's round-trip bound (absmax of its block / 254, plus fp32 rounding), for a
-    1-D ``x`` cut into ``rows`` of whole blocks."""
-    n = x.numel()
-    padded = torch.nn.functional.pad(x.float().abs(), (0, -n % block_size))
-    amax = padded.view(-1, block_size).amax(1, keepdim=True).expand(-1, block_size)
-    return (amax / (2 * QMAX) + amax * 2**-22).reshape(-1)[:n]
+    """Each element's round-trip bound (:func:`tests.hooks.test_quantize.bound` of its block's
+    absmax) for a 1-D ``x``."""
+    return bound(block_absmax(x[None], block_size))[0]
 
 
 def row_bound(x, world_size, block_size):

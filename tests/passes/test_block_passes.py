@@ -315,19 +315,14 @@ def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
 
     import passes
     from compiled_hooks.fsdp import data_parallel
-    from passes.testing import fake_process_group, partitioned_graphs
+    from passes.testing import fake_process_group
     from tests.fsdp.test_data_parallel import BF16, DIM, HIDDEN, VOCAB, Net
+    from tests.graphs import data_parallel_graphs, gather_reduce_counts
 
     fake_process_group(4)
     model = data_parallel(Net(), init_device_mesh("cpu", (4,)), mp_policy=BF16)
-    tokens = torch.randint(0, VOCAB, (4, 6))
-    graphs = dict(
-        partitioned_graphs(
-            lambda compile: compile(model, fullgraph=True)(tokens).float().sum().backward()
-        )
-    )
     counts = {}
-    for kind, gm in graphs.items():
+    for kind, gm in data_parallel_graphs(model, torch.randint(0, VOCAB, (4, 6))):
         before = copy_graph(gm.graph)
         for graph_pass in (
             passes.fold_collective_scaling,
@@ -339,9 +334,7 @@ def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
             graph_pass(gm.graph)
         gm.graph.lint()
         assert check_rewrite(kind, before, gm.graph)
-        counts[kind] = [
-            sum(n.target is op for n in gm.graph.nodes) for op in (ALL_GATHER, REDUCE_SCATTER)
-        ]
+        counts[kind] = gather_reduce_counts(gm)
         rows = lambda r: -(-r // 4) * 4  # noqa: E731 - padded rows
         root = rows(VOCAB) * DIM * 2
         block = (rows(HIDDEN) * (DIM + 1) + rows(DIM) * (HIDDEN + 1)) * 2
