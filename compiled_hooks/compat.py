@@ -135,8 +135,29 @@ def _collective(name: str | None, feature: str) -> Callable[..., torch.Tensor]:
 def all_gather_single(t: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
     """``_functional_collectives.all_gather_single``: the ranks' ``t`` joined along
     ``gather_dim`` (rank-major), traced as ``_c10d_functional.all_gather_into_tensor`` and its
-    wait. ``t`` is made contiguous first (2.11's form refuses any other)."""
-    return _collective(_ALL_GATHER, "all_gather_single")(t.contiguous(), gather_dim, group)
+    wait. ``t`` is made contiguous first (2.11's form refuses any other).
+
+    Eager, a device tensor on gloo goes through c10d's ``all_gather_into_tensor`` instead, and
+    the result is complete on return: gloo runs the functional form as ``allgather_coalesced``,
+    which has no device form and reads the device pointer as host memory (the process faults).
+    """
+    gather = _collective(_ALL_GATHER, "all_gather_single")
+    t = t.contiguous()
+    if not torch.compiler.is_compiling() and _gathers_off_host_on_gloo(t, group):
+        size = dist.get_world_size(group)
+        out = t.new_empty((size * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t, group=group)
+        return out if gather_dim == 0 else torch.cat(out.chunk(size), dim=gather_dim)
+    return gather(t, gather_dim, group)
+
+
+def _gathers_off_host_on_gloo(t: torch.Tensor, group: Any) -> bool:
+    """Whether gloo would all-gather ``t``, a tensor not in host memory, for ``group`` (a
+    ``ProcessGroup``; the other group forms answer False)."""
+    if t.device.type == "cpu" or not isinstance(group, dist.ProcessGroup):
+        return False
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or f"{t.device.type}:gloo" in backend
 
 
 def reduce_scatter_single(

@@ -23,6 +23,9 @@ _CASTS = {
     "bfloat16": (r"convert<at::BFloat16\b", r"\.to\(tl\.bfloat16\)"),
     "float16": (r"convert<at::Half\b", r"\.to\(tl\.float16\)"),
 }
+# A Triton kernel computes in fp32 and casts in its store: its signature's pointer types.
+_TRITON_POINTER = re.compile(r"'((?:in_out|in|out)_ptr\d+)': '\*(\w+)'")
+_TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def _call_body(code: str) -> str:
@@ -59,5 +62,11 @@ def bucket_writers(code: str, buffer: str) -> list[str]:
 
 
 def casts_to(source: str, dtype: str) -> bool:
-    """Whether a kernel's ``source`` converts values to ``dtype`` ("bfloat16", "float16")."""
-    return any(re.search(p, source) for p in _CASTS[dtype])
+    """Whether a kernel's ``source`` converts values to ``dtype`` ("bfloat16", "float16"): an
+    explicit conversion, or a Triton kernel that reads fp32 and stores ``dtype``."""
+    if any(re.search(p, source) for p in _CASTS[dtype]):
+        return True
+    pointers = _TRITON_POINTER.findall(source)
+    reads = {t for name, t in pointers if not name.startswith("out_")}
+    writes = {t for name, t in pointers if not name.startswith("in_ptr")}
+    return "fp32" in reads and _TRITON_TYPE[dtype] in writes

@@ -83,6 +83,9 @@ def context() -> Any:
     """The multiprocessing context for rank processes: forked from a server that imported torch
     and the packages once, so a rank starts in a fraction of a second instead of importing torch
     again (a fresh interpreter per rank, as ``spawn`` makes, costs seconds per test)."""
+    # The CUDA runtime's availability check marks every process forked afterwards as unable to
+    # use CUDA; NVML's does not. The forkserver and its ranks inherit this environment.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx

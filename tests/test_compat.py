@@ -123,3 +123,32 @@ def test_several_custom_passes_run_in_order_on_either_form(monkeypatch, lists):
             != compat.post_pass_setting([b, a]).uuid()
         )
         assert compat.post_pass_setting([a, print]).uuid() is None
+
+
+def _gather_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    t = torch.arange(6.0).reshape(2, 3) + 10 * rank
+    takes_c10d = {
+        "host": compat._gathers_off_host_on_gloo(t, group),
+        "device": compat._gathers_off_host_on_gloo(t.to("meta"), group),
+        "device, a rank list": compat._gathers_off_host_on_gloo(t.to("meta"), [0, 1]),
+    }
+    functional = [compat.all_gather_single(t, d, group) for d in (0, 1)]
+    compat._gathers_off_host_on_gloo = lambda t, group: True  # this rank process only
+    c10d = [compat.all_gather_single(t, d, group) for d in (0, 1)]
+    return {"takes_c10d": takes_c10d, "functional": [x * 1 for x in functional], "c10d": c10d}
+
+
+def test_device_gathers_on_gloo_take_c10d_with_the_functional_values():
+    """gloo's functional all-gather has no device form (a CUDA tensor faults the process), so
+    eager device gathers on gloo take c10d's; here forced on CPU, where both forms run."""
+    from tests.ranks import run_ranks
+
+    expected = [torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(2)]
+    for out in run_ranks(_gather_worker, 2):
+        assert out["takes_c10d"] == {"host": False, "device": True, "device, a rank list": False}
+        for d, (functional, c10d) in enumerate(zip(out["functional"], out["c10d"])):
+            torch.testing.assert_close(functional, torch.cat(expected, d), rtol=0, atol=0)
+            torch.testing.assert_close(c10d, functional, rtol=0, atol=0)
