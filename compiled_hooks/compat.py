@@ -52,6 +52,7 @@ __all__ = [
     "resolved",
     "all_gather_single",
     "reduce_scatter_single",
+    "all_gather_into",
     "resolve_process_group",
     "group_size_by_name",
     "default_group",
@@ -146,9 +147,23 @@ def all_gather_single(t: torch.Tensor, gather_dim: int, group: Any) -> torch.Ten
     if not torch.compiler.is_compiling() and _gathers_off_host_on_gloo(t, group):
         size = dist.get_world_size(group)
         out = t.new_empty((size * t.shape[0], *t.shape[1:]))
-        dist.all_gather_into_tensor(out, t, group=group)
+        all_gather_into(out, t, group)
         return out if gather_dim == 0 else torch.cat(out.chunk(size), dim=gather_dim)
     return gather(t, gather_dim, group)
+
+
+# c10d's all-gather into one tensor: ``all_gather_single`` from 2.13 (the old name warns there).
+_C10D_ALL_GATHER = _first(dist, "all_gather_single", "all_gather_into_tensor")
+
+
+def all_gather_into(
+    output: torch.Tensor, t: torch.Tensor, group: Any, async_op: bool = False
+) -> Any:
+    """c10d's all-gather of every rank's ``t`` into ``output`` (rank-major along dim 0); the
+    ``Work`` with ``async_op``."""
+    return getattr(dist, _C10D_ALL_GATHER or "all_gather_into_tensor")(
+        output, t, group=group, async_op=async_op
+    )
 
 
 def _gathers_off_host_on_gloo(t: torch.Tensor, group: Any) -> bool:
@@ -336,6 +351,7 @@ def resolved() -> dict[str, str]:
     return {
         "torch": torch.__version__,
         "all_gather_single": f"torch.distributed._functional_collectives.{_ALL_GATHER}",
+        "all_gather_into": f"torch.distributed.{_C10D_ALL_GATHER}",
         "reduce_scatter_single": f"torch.distributed._functional_collectives.{_REDUCE_SCATTER}",
         "fsdp_param_groups": f"FSDPState.{_GROUPS}",
         "fsdp_group_reduce_dtypes": "FSDPParam.mp_policy.reduce_dtype",

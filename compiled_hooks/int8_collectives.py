@@ -33,7 +33,31 @@ import torch.nn.functional as F
 from . import compat
 from .quantize import dequantize, quantize
 
-__all__ = ["int8_reduce_scatter", "int8_all_reduce"]
+__all__ = [
+    "int8_reduce_scatter",
+    "int8_all_reduce",
+    "reduce_scatter_quantized",
+    "all_gather_quantized",
+]
+
+
+def reduce_scatter_quantized(
+    q: torch.Tensor, scales: torch.Tensor, n: int, group: Any
+) -> torch.Tensor:
+    """The fp32 sum over the ranks of their row for this rank, from each rank's quantized rows
+    (:func:`~compiled_hooks.quantize.quantize` of ``[world_size, n]``): the payload and the
+    scales go out as two all-to-alls issued together, then dequantize and sum in rank order."""
+    q_recv = fcol.all_to_all_single(q, None, None, group)
+    scales_recv = fcol.all_to_all_single(scales, None, None, group)
+    return dequantize(q_recv, scales_recv, n).sum(0)
+
+
+def all_gather_quantized(q: torch.Tensor, scales: torch.Tensor, n: int, group: Any) -> torch.Tensor:
+    """Every rank's quantized shard (one row of ``n`` elements), gathered and dequantized: fp32
+    ``[world_size * n]``, rank-major, the same on every rank bit for bit."""
+    q_all = compat.all_gather_single(q, 0, group)
+    scales_all = compat.all_gather_single(scales, 0, group)
+    return dequantize(q_all, scales_all, n).reshape(-1)
 
 
 def int8_reduce_scatter(
@@ -44,9 +68,7 @@ def int8_reduce_scatter(
     be a multiple of ``world_size`` (the caller checks)."""
     rows = x.reshape(world_size, -1)
     q, scales = quantize(rows, block_size)
-    q_recv = fcol.all_to_all_single(q, None, None, group)
-    scales_recv = fcol.all_to_all_single(scales, None, None, group)
-    return dequantize(q_recv, scales_recv, rows.shape[1]).sum(0)
+    return reduce_scatter_quantized(q, scales, rows.shape[1], group)
 
 
 def int8_all_reduce(
@@ -61,6 +83,4 @@ def int8_all_reduce(
     if post != 1.0:
         mine = mine / post
     q, scales = quantize(mine.unsqueeze(0), block_size)
-    q_all = compat.all_gather_single(q, 0, group)
-    scales_all = compat.all_gather_single(scales, 0, group)
-    return dequantize(q_all, scales_all, shard).reshape(-1)[:n].view(x.shape)
+    return all_gather_quantized(q, scales, shard, group)[:n].view(x.shape)

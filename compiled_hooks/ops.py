@@ -10,8 +10,13 @@ rank guard's protocol), the op calls into it.
   that an index is "this rank" by finding this op.
 * ``powersgd_count(grad, state_id, slot, q_rows, q_cols) -> Q``: counts one PowerSGD hook call
   when the graph runs and returns the Q its power iteration starts from
-  (:mod:`compiled_hooks.powersgd`; a graph names its state by the id
-  :func:`register_powersgd_state` gave it). Has a side effect: never dead-code eliminated.
+  (:mod:`compiled_hooks.powersgd`; a graph names its state by the id :func:`register_state`
+  gave it). Has a side effect: never dead-code eliminated.
+* ``quantized_error(like, state_id, slot, part) -> error`` and
+  ``quantized_keep_error(residual, state_id, slot, part)``: the int8 hook's error feedback
+  (:mod:`compiled_hooks.quantized`), read and kept in its state when the graph runs; the read
+  returns a copy (zeros before the first keep), the keep copies ``residual`` into the state.
+  The keep has a side effect.
 * ``powersgd_fold_error(error!, grad)``: ``error += grad`` in place, declared as mutating
   ``error`` so that Inductor writes into the error buffer instead of a fresh one.
 * ``check_ranks(record)``: the rank-divergence guard's check at a graph's start
@@ -28,10 +33,34 @@ import torch
 
 from . import compat, rank_guard
 
-__all__ = ["group_rank", "register_powersgd_state", "GROUP_RANK", "POWERSGD_COUNT", "CHECK_RANKS"]
+__all__ = [
+    "group_rank",
+    "register_state",
+    "GROUP_RANK",
+    "POWERSGD_COUNT",
+    "QUANTIZED_ERROR",
+    "QUANTIZED_KEEP_ERROR",
+    "CHECK_RANKS",
+]
 
-_POWERSGD_STATES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_POWERSGD_IDS = itertools.count()
+_STATES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_STATE_IDS = itertools.count()
+
+
+def register_state(state: Any) -> int:
+    """The id by which compiled graphs name ``state`` (a hook's state, held weakly)."""
+    state_id = next(_STATE_IDS)
+    _STATES[state_id] = state
+    return state_id
+
+
+def _state(state_id: int, hook: str) -> Any:
+    state = _STATES.get(state_id)
+    if state is None:
+        raise RuntimeError(
+            f"{hook}: the state this graph was compiled with (id {state_id}) is gone"
+        )
+    return state
 
 
 @torch.library.custom_op("compiled_hooks::group_rank", mutates_args=())
@@ -54,19 +83,7 @@ def powersgd_count(
     """Count one hook call of ``slot`` for the PowerSGD state ``state_id`` and return the Q
     (``q_rows x q_cols``) this call starts from; empty for a call that does not compress.
     Returning Q ties the read of the state to this call's place in the graph."""
-    state = _POWERSGD_STATES.get(state_id)
-    if state is None:
-        raise RuntimeError(
-            f"powerSGD_hook: the PowerSGDState this graph was compiled with (id {state_id}) is gone"
-        )
-    return state._counted(slot, grad, q_rows, q_cols)
-
-
-def register_powersgd_state(state: Any) -> int:
-    """The id by which compiled graphs name ``state`` (a PowerSGDState, held weakly)."""
-    state_id = next(_POWERSGD_IDS)
-    _POWERSGD_STATES[state_id] = state
-    return state_id
+    return _state(state_id, "powerSGD_hook")._counted(slot, grad, q_rows, q_cols)
 
 
 @powersgd_count.register_fake
@@ -78,6 +95,29 @@ def _(grad: torch.Tensor, state_id: int, slot: int, q_rows: int, q_cols: int) ->
 def powersgd_fold_error(error: torch.Tensor, grad: torch.Tensor) -> None:
     """``error += grad``, in place."""
     error.add_(grad)
+
+
+@torch.library.custom_op("compiled_hooks::quantized_error", mutates_args=())
+def quantized_error(like: torch.Tensor, state_id: int, slot: int, part: int) -> torch.Tensor:
+    """A copy of the error kept for ``(slot, part)``, shaped and typed like ``like``; zeros
+    before the first keep."""
+    return _state(state_id, "int8_compress_hook")._error(slot, part, like)
+
+
+@quantized_error.register_fake
+def _(like: torch.Tensor, state_id: int, slot: int, part: int) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
+@torch.library.custom_op("compiled_hooks::quantized_keep_error", mutates_args=())
+def quantized_keep_error(residual: torch.Tensor, state_id: int, slot: int, part: int) -> None:
+    """Keep ``residual`` (copied) as the error of ``(slot, part)``."""
+    _state(state_id, "int8_compress_hook")._keep_error(slot, part, residual)
+
+
+@quantized_keep_error.register_fake
+def _(residual: torch.Tensor, state_id: int, slot: int, part: int) -> None:
+    return None
 
 
 @torch.library.custom_op("compiled_hooks::check_ranks", mutates_args=())
@@ -93,8 +133,11 @@ def _(record: str) -> None:
 
 GROUP_RANK = torch.ops.compiled_hooks.group_rank.default
 POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default
+QUANTIZED_ERROR = torch.ops.compiled_hooks.quantized_error.default
+QUANTIZED_KEEP_ERROR = torch.ops.compiled_hooks.quantized_keep_error.default
 CHECK_RANKS = torch.ops.compiled_hooks.check_ranks.default
 
-# The count and the check matter even where nothing reads their results.
+# The count, the keep and the check matter even where nothing reads their results.
 torch.fx.node.has_side_effect(POWERSGD_COUNT)
+torch.fx.node.has_side_effect(QUANTIZED_KEEP_ERROR)
 torch.fx.node.has_side_effect(CHECK_RANKS)

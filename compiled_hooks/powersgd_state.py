@@ -167,7 +167,7 @@ class PowerSGDState:
         self._per_step: int | None = None  # hook calls per step, known after the first step
         self._seen: set[int] = set()  # slots called in this step
         self._in_order = InOrder()  # the C++ reducer's form issues its collectives through it
-        self._id = ops.register_powersgd_state(self)
+        self._id = ops.register_state(self)
 
     # -- bookkeeping, run when the graph runs (see the module docstring) --------------------
 

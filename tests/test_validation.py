@@ -107,6 +107,33 @@ CASES = {
         TypeError,
         "parameter_type must be a floating",
     ),
+    "int8_bits_4": (
+        lambda g: ch.QuantizedState(g, bits=4),
+        ValueError,
+        "bits must be 8",
+    ),
+    "int8_block_size_0": (
+        lambda g: ch.QuantizedState(g, block_size=0),
+        ValueError,
+        "block_size must be >= 1",
+    ),
+    "int8_default_state": (
+        lambda g: ch.int8_compress_hook(_state(g), torch.ones(4)),
+        TypeError,
+        "state must be a QuantizedState",
+    ),
+    "int8_error_feedback_without_param": (
+        lambda g: ch.int8_compress_hook(ch.QuantizedState(g), torch.ones(4)),
+        ValueError,
+        "the hook needs param=",
+    ),
+    "int8_output_size": (
+        lambda g: ch.int8_compress_hook(
+            ch.QuantizedState(g, error_feedback=False), torch.ones(6), torch.empty(2)
+        ),
+        ValueError,
+        "reduce-scatter needs grad.numel\\(\\) == world_size",
+    ),
     "no_state": (
         lambda g: ch.allreduce_hook(None, torch.ones(4)),
         TypeError,

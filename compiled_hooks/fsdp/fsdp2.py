@@ -57,15 +57,23 @@ class _HookRunner:
     registered on a module that turned out not to be the root (FSDP2 decides it lazily)."""
 
     def __init__(
-        self, state: DefaultState, hook: Callable[..., Any], root: FSDPModule, compile: bool = False
+        self,
+        state: DefaultState,
+        hook: Callable[..., Any],
+        root: FSDPModule,
+        compile: bool = False,
+        key: str | None = None,
     ):
-        self.state, self.hook, self.root = state, hook, root
+        self.state, self.hook, self.root, self.key = state, hook, root, key
         self._run = torch.compile(hook, fullgraph=True) if compile else hook
 
     def run(self, *tensors: torch.Tensor) -> None:
         if compat.fsdp_is_root(self.root) is False:
             raise AssertionError(ROOT_ONLY)
-        self._run(self.state, *tensors)
+        if self.key is None:
+            self._run(self.state, *tensors)
+        else:  # a hook that keeps state per parameter: per FSDP module (or parameter group) here
+            self._run(self.state, *tensors, param=self.key)
 
 
 class HookReduceScatter(_HookRunner, compat.FSDPReduceScatter):
@@ -174,14 +182,24 @@ def register_comm_hook(
     groups = [g for m in modules for g in compat.fsdp_param_groups(m)]
     for group in groups:
         _check_group(group, state, hook)
-    reduce_scatter = HookReduceScatter(state, hook, module, compile=compile)
-    for group in groups:
+    per_parameter = hook_kind(hook, "register_comm_hook").per_parameter
+    if per_parameter and compile:
+        raise ValueError(
+            "register_comm_hook: compile=True compiles the hook once for every module, and a hook "
+            "that keeps state per parameter (param=) would recompile for each; leave compile "
+            "unset for this hook."
+        )
+    for i, group in enumerate(groups):
         if compat.fsdp_group_layout(group).replicate_size:
+            key = f"group{i}" if per_parameter else None
             compat.fsdp_take_over_all_reduce(
-                group, HookAllReduce(group, state, hook, module, compile=compile)
+                group, HookAllReduce(group, state, hook, module, compile=compile, key=key)
             )
-    for m in modules:
-        m.set_custom_reduce_scatter(reduce_scatter)
+    for i, m in enumerate(modules):
+        key = f"module{i}" if per_parameter else None
+        m.set_custom_reduce_scatter(
+            HookReduceScatter(state, hook, module, compile=compile, key=key)
+        )
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
         cast(Any, m)._comm_hook, cast(Any, m)._comm_hook_state = hook, state

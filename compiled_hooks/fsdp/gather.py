@@ -72,6 +72,8 @@ class Reduction:
     state: Any
     replica_hook: Callable[..., Any] | None = None
     replica_state: Any = None
+    # the hooks take param= (a parameter's fully qualified name): they keep state per parameter
+    per_parameter: bool = False
 
     def shard_size(self) -> int:
         return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
@@ -113,15 +115,16 @@ class _GatherReduce(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         layout, r = ctx.layout, ctx.reduction
         in_dtype, out_dtype = r.hook_dtypes(grad.dtype)
+        key = {"param": layout.name} if r.per_parameter else {}
         if r.shard_group is None:
             g = grad.to(in_dtype, copy=True)
-            r.hook(r.state, g)
+            r.hook(r.state, g, **key)
             return g.to(ctx.dtype), None, None
         g = _pad_rows(grad.to(in_dtype), layout.rows * r.shard_size()).contiguous()
         out = g.new_empty((layout.rows, *layout.shape[1:]), dtype=out_dtype)
-        r.hook(r.state, g, out)
+        r.hook(r.state, g, out, **key)
         if r.replica_hook is not None:
-            r.replica_hook(r.replica_state, out)
+            r.replica_hook(r.replica_state, out, **key)
         return out[: layout.local_rows].to(ctx.dtype), None, None
 
 

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 
 from ..hook_kind import hook_kind
 from ..hooks import allreduce_hook, reduce_scatter_hook
+from ..quantized_state import QuantizedState
 from ..state import DefaultState, LowPrecisionState
 from .fsdp2 import ALREADY, ROOT_ONLY
 from .gather import Layout, Reduction, gather
@@ -363,6 +364,20 @@ def is_data_parallel(module: nn.Module) -> bool:
     return hasattr(module, "_data_parallel_root")
 
 
+def _replica_state(state: DefaultState, group: dist.ProcessGroup) -> DefaultState:
+    """A state like ``state`` over the replicas' ``group`` (its own error feedback, if any)."""
+    if isinstance(state, QuantizedState):
+        return QuantizedState(
+            group,
+            bits=state.bits,
+            block_size=state.block_size,
+            error_feedback=state.error_feedback,
+        )
+    if isinstance(state, LowPrecisionState):
+        return LowPrecisionState(group, state.parameter_type)
+    return DefaultState(group)
+
+
 def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..., Any]) -> None:
     """Reduce the gradients of a ``data_parallel`` root through ``hook`` (FSDP1's rules: root
     only, once, before the first forward). ``"fully_shard"`` and ``"hybrid_shard"`` call
@@ -427,12 +442,8 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
             "unset."
         )
     r = dp.reduction
-    r.hook, r.state = kind.fn, state
+    r.hook, r.state, r.per_parameter = kind.fn, state, kind.per_parameter
     if replica_hook is not None:
         r.replica_hook = replica_hook
-        r.replica_state = (
-            LowPrecisionState(dp.replicate_group, state.parameter_type)
-            if isinstance(state, LowPrecisionState)
-            else DefaultState(dp.replicate_group)
-        )
+        r.replica_state = _replica_state(state, dp.replicate_group)
     dp.comm_hook, dp.comm_hook_state = hook, state

@@ -184,6 +184,13 @@ def hooks_worker(rank, world_size, mode):
         get_comm_hook(model) == (ch.bf16_compress_hook, state) == get_comm_hook(model.blocks[0])
     )
     out["bf16"] = train_both(rank, ref, model, model)
+    # int8 with error feedback, residuals kept per parameter name, against FSDP2 in fp32
+    ref = fsdp2(mesh, mode, True, None)
+    model = data_parallel(Net(), mesh, mode=mode)
+    quantized = ch.QuantizedState(shard_group, block_size=32)
+    register_comm_hook(model, quantized, ch.int8_compress_hook)
+    out["int8"] = train_both(rank, ref, model, model, steps=1)
+    out["int8 keys"] = sorted(quantized._slot_of) == sorted(n for n, _ in model.named_parameters())
     # a hook that sums instead of averaging is visible in the gradients
     ref = fsdp2(mesh, mode, True, None)
     model = data_parallel(Net(), mesh, mode=mode)
@@ -234,6 +241,8 @@ def test_comm_hooks(world_size, mode):
     for rank, out in enumerate(run_ranks(hooks_worker, world_size, mode, timeout=300)):
         assert out["registered"]
         assert max(out["bf16"]) <= 2e-2, (rank, out["bf16"])
+        # one step: the gradients within int8's rounding of FSDP2's
+        assert out["int8"][0] <= 2e-2 and out["int8 keys"], (rank, out["int8"])
         assert out["sum"] > 0.5, (rank, out["sum"])  # a hook that does not average is caught
         assert out["non-root"] == (AssertionError, ROOT_ONLY)
         assert out["twice"] == (AssertionError, ALREADY)

@@ -21,6 +21,9 @@ from tests.ranks import run_ranks
 
 HELD_BACK_S = 1.0
 HOOKS = ["allreduce", "fp16", "bf16", "powerSGD"]
+# int8's async form quantizes a bucket whole, the blocking form each gradient: only the
+# pending-futures test runs it here (tests/hooks/test_quantized.py checks its values)
+PENDING = [*HOOKS, "int8", "zero"]
 
 
 def _net(hidden=1):
@@ -48,6 +51,8 @@ def _state_and_hook(name, ddp=None):
         ), powerSGD_hook
     if name == "allreduce":
         return ch.DefaultState(dist.group.WORLD), ch.allreduce_hook
+    if name == "int8":
+        return ch.QuantizedState(dist.group.WORLD, block_size=32), ch.int8_compress_hook
     return ch.LowPrecisionState(dist.group.WORLD), {
         "fp16": ch.fp16_compress_hook,
         "bf16": ch.bf16_compress_hook,
@@ -108,7 +113,7 @@ def _train(name, rank, steps, blocking=False, watch_step=None, net=None, bucket_
 
 
 def _pending_worker(rank, world_size):
-    return {name: _train(name, rank, 3, watch_step=2)[1] for name in HOOKS + ["zero"]}
+    return {name: _train(name, rank, 3, watch_step=2)[1] for name in PENDING}
 
 
 def test_hooks_return_pending_futures_while_a_rank_is_held_back():
