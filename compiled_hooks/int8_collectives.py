@@ -3,13 +3,16 @@ shape), written with functional collectives so ``torch.compile`` traces them who
 
 Reduce-scatter: each rank quantizes its tensor, one row per destination rank
 (:func:`compiled_hooks.quantize.quantize`: int8 blocks and fp32 scales), exchanges the rows
-with two all-to-alls issued together (the payload and the scales), and dequantizes and sums
-what it received in fp32, in rank order::
+with one all-to-all, and dequantizes and sums what it received in fp32, in rank order::
 
     x_r            f32[N * s]       on rank r (N ranks, s elements a shard)
     q_r, scales_r  = quantize(x_r as [N, s])
-    recv           = all_to_all(q_r), all_to_all(scales_r)   row j: rank j's row for this rank
-    shard          = sum_j dequantize(recv[j])              f32[s], in j = 0 .. N-1 order
+    recv           = all_to_all(pack(q_r, scales_r))   row j: rank j's row for this rank
+    shard          = sum_j dequantize(unpack(recv[j]))  f32[s], in j = 0 .. N-1 order
+
+Each row travels as one int8 buffer (:func:`pack`): its scales' bytes, then its payload. One
+collective per exchange instead of two (the payload's and the scales'); and every collective
+of these functions carries int8, which is how the passes tell them from the others.
 
 All-reduce: the reduce-scatter, then this rank's shard quantized again and all-gathered, and
 every shard dequantized. Every rank dequantizes the same gathered bytes, its own shard
@@ -34,6 +37,8 @@ from . import compat
 from .quantize import dequantize, quantize
 
 __all__ = [
+    "pack",
+    "unpack",
     "int8_reduce_scatter",
     "int8_all_reduce",
     "reduce_scatter_quantized",
@@ -41,23 +46,40 @@ __all__ = [
 ]
 
 
+def pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One int8 row per row of :func:`~compiled_hooks.quantize.quantize`'s ``(q, scales)``:
+    ``[rows, 4 * blocks + blocks * block_size]``, the scales' bytes first (so a row's scales
+    start at a multiple of 4 bytes). Flattened before the byte view: a view to a narrower
+    dtype needs a unit last stride, which Inductor does not promise for a 2-D result."""
+    rows = q.shape[0]
+    scale_bytes = scales.reshape(-1).view(torch.int8).view(rows, -1)
+    return torch.cat([scale_bytes, q.reshape(rows, -1)], dim=1)
+
+
+def unpack(packed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack`'s ``(q, scales)`` back: int8 ``[rows, blocks, block_size]`` and fp32
+    ``[rows, blocks]``."""
+    rows, width = packed.shape
+    blocks = width // (block_size + 4)
+    scales = packed[:, : 4 * blocks].reshape(-1).view(torch.float32).view(rows, blocks)
+    return packed[:, 4 * blocks :].reshape(rows, blocks, block_size), scales
+
+
 def reduce_scatter_quantized(
     q: torch.Tensor, scales: torch.Tensor, n: int, group: Any
 ) -> torch.Tensor:
     """The fp32 sum over the ranks of their row for this rank, from each rank's quantized rows
-    (:func:`~compiled_hooks.quantize.quantize` of ``[world_size, n]``): the payload and the
-    scales go out as two all-to-alls issued together, then dequantize and sum in rank order."""
-    q_recv = fcol.all_to_all_single(q, None, None, group)
-    scales_recv = fcol.all_to_all_single(scales, None, None, group)
-    return dequantize(q_recv, scales_recv, n).sum(0)
+    (:func:`~compiled_hooks.quantize.quantize` of ``[world_size, n]``): one all-to-all of the
+    packed rows, then dequantize and sum in rank order."""
+    received = fcol.all_to_all_single(pack(q, scales), None, None, group)
+    return dequantize(*unpack(received, q.shape[2]), n).sum(0)
 
 
 def all_gather_quantized(q: torch.Tensor, scales: torch.Tensor, n: int, group: Any) -> torch.Tensor:
     """Every rank's quantized shard (one row of ``n`` elements), gathered and dequantized: fp32
     ``[world_size * n]``, rank-major, the same on every rank bit for bit."""
-    q_all = compat.all_gather_single(q, 0, group)
-    scales_all = compat.all_gather_single(scales, 0, group)
-    return dequantize(q_all, scales_all, n).reshape(-1)
+    gathered = compat.all_gather_single(pack(q, scales), 0, group)
+    return dequantize(*unpack(gathered, q.shape[2]), n).reshape(-1)
 
 
 def int8_reduce_scatter(

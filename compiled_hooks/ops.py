@@ -12,8 +12,8 @@ rank guard's protocol), the op calls into it.
   when the graph runs and returns the Q its power iteration starts from
   (:mod:`compiled_hooks.powersgd`; a graph names its state by the id :func:`register_state`
   gave it). Has a side effect: never dead-code eliminated.
-* ``quantized_error(like, state_id, slot, part) -> error`` and
-  ``quantized_keep_error(residual, state_id, slot, part)``: the int8 hook's error feedback
+* ``quantized_error(like, state_id, key, part) -> error`` and
+  ``quantized_keep_error(residual, state_id, key, part)``: the int8 hook's error feedback
   (:mod:`compiled_hooks.quantized`), read and kept in its state when the graph runs; the read
   returns a copy (zeros before the first keep), the keep copies ``residual`` into the state.
   The keep has a side effect.
@@ -98,25 +98,26 @@ def powersgd_fold_error(error: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("compiled_hooks::quantized_error", mutates_args=())
-def quantized_error(like: torch.Tensor, state_id: int, slot: int, part: int) -> torch.Tensor:
-    """A copy of the error kept for ``(slot, part)``, shaped and typed like ``like``; zeros
+def quantized_error(like: torch.Tensor, state_id: int, key: str, part: int) -> torch.Tensor:
+    """A copy of the error kept for ``(key, part)``, shaped and typed like ``like``; zeros
     before the first keep."""
-    return _state(state_id, "int8_compress_hook")._error(slot, part, like)
+    hook = "int8_compress_hook"
+    return _state(state_id, hook)._error(key, part, like, hook)
 
 
 @quantized_error.register_fake
-def _(like: torch.Tensor, state_id: int, slot: int, part: int) -> torch.Tensor:
+def _(like: torch.Tensor, state_id: int, key: str, part: int) -> torch.Tensor:
     return torch.empty_like(like)
 
 
 @torch.library.custom_op("compiled_hooks::quantized_keep_error", mutates_args=())
-def quantized_keep_error(residual: torch.Tensor, state_id: int, slot: int, part: int) -> None:
-    """Keep ``residual`` (copied) as the error of ``(slot, part)``."""
-    _state(state_id, "int8_compress_hook")._keep_error(slot, part, residual)
+def quantized_keep_error(residual: torch.Tensor, state_id: int, key: str, part: int) -> None:
+    """Keep ``residual`` (copied) as the error of ``(key, part)``."""
+    _state(state_id, "int8_compress_hook")._keep_error(key, part, residual)
 
 
 @quantized_keep_error.register_fake
-def _(residual: torch.Tensor, state_id: int, slot: int, part: int) -> None:
+def _(residual: torch.Tensor, state_id: int, key: str, part: int) -> None:
     return None
 
 

@@ -33,7 +33,6 @@ the all-to-all's continuation, in an order fixed when the hook is called: :class
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import compat, ops, validation
-from .int8_collectives import all_gather_quantized, reduce_scatter_quantized
+from .int8_collectives import all_gather_quantized, pack, reduce_scatter_quantized, unpack
 from .quantize import dequantize, quantize
 from .quantized_state import SHARD, WORKER, QuantizedState
 
@@ -60,8 +59,8 @@ def _check(state: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
         validation.check_shard(NAME, grad, output, state.world_size)
 
 
-def _slot(state: QuantizedState, grad: torch.Tensor, param: Hashable | None) -> int | None:
-    """The error-feedback slot of ``param``; None without error feedback."""
+def _key(state: QuantizedState, param: object) -> str | None:
+    """The error-feedback key of ``param``; None without error feedback."""
     if not state.error_feedback:
         return None
     if param is None:
@@ -70,18 +69,18 @@ def _slot(state: QuantizedState, grad: torch.Tensor, param: Hashable | None) -> 
             "(the DDP, data_parallel and FSDP2 adapters pass it); call it with param=, or build "
             "QuantizedState(..., error_feedback=False)."
         )
-    return state._slot(param, grad.shape, NAME)
+    return state.key(param)
 
 
-def _read(state: QuantizedState, slot: int, part: int, like: torch.Tensor) -> torch.Tensor:
+def _read(state: QuantizedState, key: str, part: int, like: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # read when the graph runs
-        return ops.quantized_error(like, state._id, slot, part)
-    return state._error(slot, part, like)
+        return ops.quantized_error(like, state._id, key, part)
+    return state._error(key, part, like, NAME)
 
 
 def _keep(
     state: QuantizedState,
-    slot: int,
+    key: str,
     part: int,
     x: torch.Tensor,
     sent: torch.Tensor,
@@ -91,9 +90,9 @@ def _keep(
     residual = x - sent
     residual = torch.where(torch.isfinite(residual), residual, folded)
     if torch.compiler.is_compiling():
-        ops.quantized_keep_error(residual, state._id, slot, part)
+        ops.quantized_keep_error(residual, state._id, key, part)
     else:
-        state._keep_error(slot, part, residual)
+        state._keep_error(key, part, residual)
 
 
 def _rows(state: QuantizedState, x: torch.Tensor) -> torch.Tensor:
@@ -104,15 +103,15 @@ def _rows(state: QuantizedState, x: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_shard(
-    state: QuantizedState, slot: int | None, mine: torch.Tensor
+    state: QuantizedState, key: str | None, mine: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The averaged shard ``mine`` quantized for the all-gather (its error folded in and kept)."""
-    if slot is None:
+    if key is None:
         return quantize(mine.unsqueeze(0), state.block_size)
-    folded = _read(state, slot, SHARD, mine)
+    folded = _read(state, key, SHARD, mine)
     y = mine + folded
     q, scales = quantize(y.unsqueeze(0), state.block_size)
-    _keep(state, slot, SHARD, y, dequantize(q, scales, y.numel())[0], folded)
+    _keep(state, key, SHARD, y, dequantize(q, scales, y.numel())[0], folded)
     return q, scales
 
 
@@ -121,7 +120,7 @@ def int8_compress_hook(
     grad: torch.Tensor,
     output: torch.Tensor | None = None,
     *,
-    param: Hashable | None = None,
+    param: object = None,
 ) -> None:
     """Average ``grad`` across ``state.process_group`` with int8 on the wire; the result in
     ``grad``, or this rank's shard of it in ``output`` (``grad``'s dtype, ``grad.numel() ==
@@ -132,23 +131,23 @@ def int8_compress_hook(
     ``data_parallel`` and FSDP2's ``register_comm_hook`` pass it.
     """
     _check(state, grad, output)
-    slot = _slot(state, grad, param)
+    key = _key(state, param)
     x = grad.float()
     folded = None
-    if slot is not None:
-        folded = _read(state, slot, WORKER, x)
+    if key is not None:
+        folded = _read(state, key, WORKER, x)
         x = x + folded
     rows = _rows(state, x) if output is None else x.reshape(state.world_size, -1)
     shard = rows.shape[1]
     q, scales = quantize(rows, state.block_size)
-    if slot is not None and folded is not None:
+    if key is not None and folded is not None:
         sent = dequantize(q, scales, shard).reshape(-1)[: x.numel()].view(x.shape)
-        _keep(state, slot, WORKER, x, sent, folded)
+        _keep(state, key, WORKER, x, sent, folded)
     mine = reduce_scatter_quantized(q, scales, shard, state.process_group) / state.world_size
     if output is not None:
         output.copy_(mine.view(output.shape))
         return
-    q, scales = _quantize_shard(state, slot, mine)
+    q, scales = _quantize_shard(state, key, mine)
     gathered = all_gather_quantized(q, scales, shard, state.process_group)
     grad.copy_(gathered[: grad.numel()].view(grad.shape))
 
@@ -163,14 +162,14 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
     buffer = bucket.buffer()
     _check(state, buffer, None)
     grads, params = bucket.gradients(), bucket.parameters()
-    slots = [_slot(state, g, p) for g, p in zip(grads, params)]
+    keys = [_key(state, p) for p in params]
     x = buffer.float()
     folded = None
     if state.error_feedback:
         spans = [_span(buffer, g) for g in grads]
         folded = torch.zeros_like(x)
-        for s, g, (start, end) in zip(slots, grads, spans):
-            folded[start:end] = state._error(s, WORKER, g.float()).reshape(-1)  # type: ignore[arg-type]
+        for k, g, (start, end) in zip(keys, grads, spans):
+            folded[start:end] = state._error(k, WORKER, g.float(), NAME).reshape(-1)  # type: ignore[arg-type]
         x = x + folded
     rows = _rows(state, x)
     world, shard, group = state.world_size, rows.shape[1], state.process_group
@@ -179,51 +178,40 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
         sent = dequantize(q, scales, shard).reshape(-1)[: x.numel()]
         residual = x - sent
         residual = torch.where(torch.isfinite(residual), residual, folded)
-        for s, g, (start, end) in zip(slots, grads, spans):
-            state._keep_error(s, WORKER, residual[start:end].view(g.shape))  # type: ignore[arg-type]
-    bucket_slot = state._bucket_slot(bucket.index()) if state.error_feedback else None
-    order = state._in_order
+        for k, g, (start, end) in zip(keys, grads, spans):
+            state._keep_error(k, WORKER, residual[start:end].view(g.shape))  # type: ignore[arg-type]
+    bucket_key = f"bucket:{bucket.index()}" if state.error_feedback else None
+    order, bs = state._in_order, state.block_size
     exchange, gather = order.reserve(), order.reserve()
-    q_recv, scales_recv = torch.empty_like(q), torch.empty_like(scales)
+    sent = pack(q, scales)
+    received = torch.empty_like(sent)
     gathered: list[torch.Tensor] = []
-
-    def both(*works: Any) -> torch.futures.Future[Any]:
-        return torch.futures.collect_all([w.get_future() for w in works])
-
-    def issue_exchange() -> torch.futures.Future[Any]:
-        return both(
-            dist.all_to_all_single(q_recv, q, group=group, async_op=True),
-            dist.all_to_all_single(scales_recv, scales, group=group, async_op=True),
-        )
 
     def reduce(fut: torch.futures.Future[Any]) -> None:
         try:
-            for f in fut.value():
-                f.value()  # raises what the all-to-all raised
-            mine = dequantize(q_recv, scales_recv, shard).sum(0) / world
-            q2, scales2 = _quantize_shard(state, bucket_slot, mine)
-            q_all = q2.new_empty((world, *q2.shape[1:]))
-            scales_all = scales2.new_empty((world, *scales2.shape[1:]))
-            gathered.extend([q_all, scales_all])
+            fut.value()  # raises what the all-to-all raised
+            mine = dequantize(*unpack(received, bs), shard).sum(0) / world
+            mine_sent = pack(*_quantize_shard(state, bucket_key, mine))
+            gathered.append(mine_sent.new_empty((world, mine_sent.shape[1])))
         except Exception as e:  # the slot must be filled, or every later slot waits forever
             order.fill(gather, functools.partial(_failed, e))
             raise
         order.fill(
             gather,
-            lambda: both(
-                compat.all_gather_into(q_all, q2, group, async_op=True),
-                compat.all_gather_into(scales_all, scales2, group, async_op=True),
-            ),
+            lambda: compat.all_gather_into(
+                gathered[0], mine_sent, group, async_op=True
+            ).get_future(),
         )
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        for f in fut.value():
-            f.value()
-        q_all, scales_all = gathered
-        values = dequantize(q_all, scales_all, shard).reshape(-1)[: buffer.numel()]
+        fut.value()
+        values = dequantize(*unpack(gathered[0], bs), shard).reshape(-1)[: buffer.numel()]
         return buffer.copy_(values)
 
-    order.fill(exchange, issue_exchange).then(reduce)
+    order.fill(
+        exchange,
+        lambda: dist.all_to_all_single(received, sent, group=group, async_op=True).get_future(),
+    ).then(reduce)
     return gather.future.then(finish)
 
 

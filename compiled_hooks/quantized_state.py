@@ -1,15 +1,18 @@
 """The state of the int8 hook (:func:`compiled_hooks.quantized.int8_compress_hook`).
 
-Error feedback keeps, per parameter (a *slot*, numbered in first-call order), what quantization
-dropped, and adds it to the next step's gradient. Two residuals per slot (*parts*):
+Error feedback keeps, per parameter, what quantization dropped, and adds it to the next step's
+gradient. Two residuals per parameter (*parts*):
 
 - ``WORKER``: this rank's gradient (plus its error) minus what it sent, shaped like the
   gradient;
 - ``SHARD``: for the all-reduce form, the averaged shard this rank owns minus what it sent in
   the all-gather (the second quantization), ``[shard]``.
 
-The residuals are tensors of the state, read and written when the hook runs: traced, through
-the custom ops ``compiled_hooks::quantized_error`` / ``quantized_keep_error``
+A parameter is named by a *key*, a string: its name where the adapter passes one
+(``data_parallel``, FSDP2), else ``"id:<id(param)>"``, which Dynamo reads as a constant (a
+dictionary of the state filled while tracing would make the second step recompile). The
+residuals are tensors of the state, read and written when the hook runs: traced, through the
+custom ops ``compiled_hooks::quantized_error`` / ``quantized_keep_error``
 (:mod:`compiled_hooks.ops`), so a compiled graph needs no buffer of the state as an input and
 is compiled once. A residual element that is not finite (its block held inf or nan, a step the
 grad scaler skips) keeps the error it had before that step.
@@ -17,7 +20,6 @@ grad scaler skips) keeps the error it had before that step.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -44,18 +46,18 @@ class QuantizedState(DefaultState):
             the hook then needs ``param=`` (the adapters pass it).
 
     A state belongs to one model. ``state_dict()`` / ``load_state_dict()`` carry the residuals:
-    a slot's parameter is found again by its name where the adapter keys by name
-    (``data_parallel``), else by the order of the first calls, which is the same for the same
-    model.
+    a parameter is found again by its name where the adapter passes one (``data_parallel``,
+    FSDP2), else by the order of the first calls, which is the same for the same model.
     """
 
     __slots__ = [
         "bits",
         "block_size",
         "error_feedback",
-        "_slot_of",
         "_shapes",
         "_errors",
+        "_order",
+        "_pending",
         "_in_order",
         "_id",
         "__weakref__",
@@ -79,77 +81,73 @@ class QuantizedState(DefaultState):
                 f"QuantizedState: error_feedback must be a bool, got {error_feedback!r}"
             )
         self.error_feedback = error_feedback
-        self._slot_of: dict[Hashable, int] = {}
-        self._shapes: dict[int, torch.Size] = {}
-        self._errors: dict[tuple[int, int], torch.Tensor] = {}
+        self._shapes: dict[str, torch.Size] = {}  # key -> the gradient's shape
+        self._errors: dict[tuple[str, int], torch.Tensor] = {}  # (key, part) -> residual
+        self._order: list[str] = []  # the "id:" keys, in first-call order (for checkpoints)
+        self._pending: dict[int, dict[int, torch.Tensor]] = {}  # loaded, for the i-th "id:" key
         self._in_order = InOrder()  # the C++ reducer's form issues its collectives through it
         self._id = ops.register_state(self)
 
-    def _slot(self, key: Hashable, shape: torch.Size, hook: str) -> int:
-        """The slot of ``key`` (a parameter, or a name), checked against its gradient's shape."""
-        slot = self._slot_of.get(key)
-        if slot is None:
-            slot = self._slot_of[key] = len(self._slot_of)
-        known = self._shapes.setdefault(slot, shape)
-        if known != shape:
-            raise ValueError(
-                f"{hook}: gradient of shape {tuple(shape)} for a parameter whose gradient had "
-                f"shape {tuple(known)}; make one QuantizedState per model."
-            )
-        return slot
-
-    def _bucket_slot(self, index: int) -> int:
-        """The slot of a DDP bucket (the C++ reducer's shard residual); no shape to check."""
-        key = ("bucket", index)
-        slot = self._slot_of.get(key)
-        if slot is None:
-            slot = self._slot_of[key] = len(self._slot_of)
-        return slot
+    @staticmethod
+    def key(param: object) -> str:
+        """The key of ``param``: a name as it is, anything else by its ``id``."""
+        return param if isinstance(param, str) else f"id:{id(param)}"
 
     # -- run when the hook runs (through ops when traced) ----------------------------------
 
-    def _error(self, slot: int, part: int, like: torch.Tensor) -> torch.Tensor:
-        kept = self._errors.get((slot, part))
+    def _error(self, key: str, part: int, like: torch.Tensor, hook: str) -> torch.Tensor:
+        """A copy of the residual, zeros before the first; ``ValueError`` if the ``WORKER``
+        read finds a gradient of another shape than the key's earlier ones."""
+        if part == WORKER:
+            known = self._shapes.setdefault(key, like.shape)
+            if known != like.shape:
+                raise ValueError(
+                    f"{hook}: gradient of shape {tuple(like.shape)} for a parameter whose "
+                    f"gradient had shape {tuple(known)}; make one QuantizedState per model."
+                )
+            if key.startswith("id:") and key not in self._order:
+                self._order.append(key)
+                for p, t in self._pending.pop(len(self._order) - 1, {}).items():
+                    self._errors[(key, p)] = t
+        kept = self._errors.get((key, part))
         if kept is None or kept.shape != like.shape:
             return torch.zeros_like(like)
         return kept.to(like.device, like.dtype, copy=True)
 
-    def _keep_error(self, slot: int, part: int, residual: torch.Tensor) -> None:
-        kept = self._errors.get((slot, part))
+    def _keep_error(self, key: str, part: int, residual: torch.Tensor) -> None:
+        kept = self._errors.get((key, part))
         if kept is None or kept.shape != residual.shape:
-            self._errors[(slot, part)] = residual.detach().clone()
+            self._errors[(key, part)] = residual.detach().clone()
         else:
             kept.copy_(residual)
 
     # -- checkpoints ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The residuals (``errors``: ``"slot.part"`` -> tensor) and each slot's name where it was
-        keyed by one (``names``: slot -> str)."""
-        return {
-            "bits": self.bits,
-            "block_size": self.block_size,
-            "error_feedback": self.error_feedback,
-            "errors": {f"{s}.{p}": t.clone() for (s, p), t in self._errors.items()},
-            "names": {s: k for k, s in self._slot_of.items() if isinstance(k, str)},
-        }
+        """The residuals: ``errors`` maps a parameter's name, or ``"#i"`` for the ``i``-th
+        parameter the hook was called with first (no name given), to ``{part: tensor}``."""
+        errors: dict[str, dict[int, torch.Tensor]] = {}
+        for (key, part), t in self._errors.items():
+            name = f"#{self._order.index(key)}" if key.startswith("id:") else key
+            errors.setdefault(name, {})[part] = t.clone()
+        return {"bits": self.bits, "block_size": self.block_size, "errors": errors}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the residuals of :meth:`state_dict`; ``block_size`` must match (a residual is
-        the error of one block layout)."""
+        the error of one block layout). ``"#i"`` entries go to the ``i``-th parameter this
+        state is called with first: the same model calls in the same order."""
         if state_dict["block_size"] != self.block_size:
             raise ValueError(
                 f"QuantizedState.load_state_dict: block_size {state_dict['block_size']} in the "
                 f"checkpoint, {self.block_size} in this state"
             )
-        errors = {}
-        for name, t in state_dict["errors"].items():
-            slot, part = (int(x) for x in name.split("."))
-            errors[(slot, part)] = t.clone()
-        self._errors = errors
-        self._slot_of = {k: s for k, s in self._slot_of.items() if not isinstance(k, str)}
-        for slot, key in state_dict["names"].items():
-            self._slot_of[key] = int(slot)
+        self._errors, self._order, self._pending = {}, [], {}
+        for name, parts in state_dict["errors"].items():
+            if name.startswith("#"):
+                self._pending[int(name[1:])] = {p: t.clone() for p, t in parts.items()}
+            else:
+                for p, t in parts.items():
+                    self._errors[(name, p)] = t.clone()
 
     def __repr__(self) -> str:
         return (

@@ -10,13 +10,14 @@ CPU + gloo otherwise; step times are measured after synchronizing the device.
 Each rank trains a tiny transformer on a synthetic next-token task twice from the same
 seed: once with eager fp32 DDP (the reference), once with compiled DDP (python reducer +
 compiled autograd), ``bf16_compress_hook`` and this project's graph passes (``--no-passes`` leaves
-them out). ``--hook powersgd`` uses PowerSGD at rank 4 from step 5 instead, and SGD with momentum in
+them out). ``--hook int8`` sends int8 gradients instead (``int8_compress_hook``, error feedback
+on). ``--hook powersgd`` uses PowerSGD at rank 4 from step 5 instead, and SGD with momentum in
 both runs, for 40 steps; it passes when the compressed run's final loss is at most
 ``--tolerance`` (10%) above the reference's (``--no-error-feedback`` to see what error
-feedback is for). Rank 0 prints the loss and step time of every step, what the passes did,
-and how far the compiled bf16 run's final loss is from the reference's. Exits non-zero if the
-runs disagree by more than ``--tolerance``. ``PASSES_VERIFY=1`` checks every rewrite;
-``PASSES_CHECK_RANKS=1`` turns on the rank-divergence guard.
+feedback is for, with PowerSGD or int8). Rank 0 prints the loss and step time of every step,
+what the passes did, and how far the compiled run's final loss is from the reference's.
+Exits non-zero if the runs disagree by more than ``--tolerance``. ``PASSES_VERIFY=1`` checks
+every rewrite; ``PASSES_CHECK_RANKS=1`` turns on the rank-divergence guard.
 """
 
 from __future__ import annotations
@@ -122,7 +123,11 @@ def loss_fn(model, tokens, targets):
 
 
 def comm_hook(hook: str, error_feedback: bool = True) -> tuple[object, Callable]:
-    """(state, hook) for ``--hook``: bf16 compression, or PowerSGD at rank 4 from step 5."""
+    """(state, hook) for ``--hook``: bf16 or int8 compression, or PowerSGD at rank 4 from
+    step 5."""
+    if hook == "int8":
+        state = ch.QuantizedState(dist.group.WORLD, error_feedback=error_feedback)
+        return state, ch.int8_compress_hook
     if hook == "powersgd":
         state = ch.powersgd.PowerSGDState(
             dist.group.WORLD,
@@ -159,11 +164,12 @@ def train(
     )
     for p in net.parameters():  # gradients exist from step 0: one backward graph for every step
         p.grad = torch.zeros_like(p)
-    hook_name = (
-        "bf16_compress_hook"
-        if hook == "bf16"
-        else "powerSGD_hook (rank 4" + (")" if error_feedback else ", no error feedback)")
-    )
+    no_feedback = "" if error_feedback else ", no error feedback"
+    hook_name = {
+        "bf16": "bf16_compress_hook",
+        "int8": f"int8_compress_hook{f' ({no_feedback[2:]})' if no_feedback else ''}",
+        "powersgd": f"powerSGD_hook (rank 4{no_feedback})",
+    }[hook]
     label = (
         f"compiled DDP + {hook_name}" + (" + passes" if use_passes else "")
         if compiled
@@ -382,12 +388,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--hook",
-        choices=["bf16", "powersgd"],
+        choices=["bf16", "int8", "powersgd"],
         default="bf16",
-        help="bf16_compress_hook, or PowerSGD at rank 4 from step 5 (compiled_hooks.powersgd)",
+        help="bf16_compress_hook, int8_compress_hook, or PowerSGD at rank 4 from step 5 "
+        "(compiled_hooks.powersgd)",
     )
     parser.add_argument(
-        "--no-error-feedback", action="store_true", help="PowerSGD without error feedback"
+        "--no-error-feedback", action="store_true", help="PowerSGD or int8 without error feedback"
     )
     # 30 steps and 5% (bf16), 40 steps and 10% (powersgd)
     parser.set_defaults(steps=None, tolerance=None)

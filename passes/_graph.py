@@ -215,6 +215,14 @@ def match_chain(collective: Node) -> Chain | None:
     return Chain(collective, wait, start, pre, post, tuple(factors), problem)
 
 
+def is_quantized(collective: Node) -> bool:
+    """Whether a collective carries int8: the packed rows of the int8 hooks
+    (:mod:`compiled_hooks.int8_collectives`), never a parameter's or a gradient's values."""
+    source = collective.args[0] if collective.args else None
+    val = source.meta.get("val") if isinstance(source, Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.int8
+
+
 def block_of(node: Node) -> str | None:
     """The ``data_parallel`` block a collective belongs to, if it is marked with one."""
     return node.meta.get("custom", {}).get(BLOCK)

@@ -4,7 +4,8 @@ A *ZeRO broadcast* is a functional ``broadcast`` (or the ``all_gather`` that
 ``shard_weight_update`` makes of the owners' broadcasts) with a single ``wait_tensor`` whose
 input depends on the wait of a gradient collective (``all_reduce`` / ``reduce_scatter``): the
 new value of a parameter, computed by its owner from the reduced gradient
-(:mod:`compiled_hooks.zero`). Its *update* is every node it depends on that comes after that
+(:mod:`compiled_hooks.zero`); never an int8 hook's all-gather (of int8 rows), which follows
+an all-to-all in the same shape. Its *update* is every node it depends on that comes after that
 gradient wait.
 
 The schedule follows the graph it is given, which the two ZeRO hooks make different:
@@ -67,6 +68,7 @@ from ._graph import (
     check_graph,
     is_collective,
     is_op,
+    is_quantized,
     record,
 )
 from .interface import graph_pass
@@ -83,6 +85,7 @@ def _zero_broadcasts(graph: Graph) -> list[Node]:
         n
         for n in graph.nodes
         if is_op(n, (BROADCAST, ALL_GATHER))
+        and not is_quantized(n)
         and len(n.users) == 1
         and is_op(next(iter(n.users)), (WAIT,))
     ]

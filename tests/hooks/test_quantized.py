@@ -105,8 +105,6 @@ def _resume_worker(rank, world_size, keyed_by_name):
     saved = state.state_dict()
     continued = step(state, 2)
     resumed_state = ch.QuantizedState(group, block_size=4)
-    if not keyed_by_name:  # slots by first-call order: the same model calls in the same order
-        step(ch.QuantizedState(group, block_size=4, error_feedback=True), 0)
     resumed_state.load_state_dict(saved)
     fresh = step(ch.QuantizedState(group, block_size=4), 2)
     return continued, step(resumed_state, 2), fresh, sorted(saved["errors"])
@@ -117,7 +115,7 @@ def test_residuals_survive_state_dict(keyed_by_name):
     """Two steps, ``state_dict``, a new state loads it: its third step equals the third step of
     the state that went on, bit for bit; a state without the residuals does not."""
     for continued, resumed, fresh, saved in run_ranks(_resume_worker, 2, keyed_by_name):
-        assert saved == ["0.0", "0.1", "1.0", "1.1"]
+        assert saved == (["a", "b"] if keyed_by_name else ["#0", "#1"])
         for c, r, f in zip(continued, resumed, fresh):
             assert torch.equal(c, r)
             assert not torch.equal(c, f)
@@ -253,7 +251,7 @@ def _fsdp2_worker(rank, world_size):
     for a, b in zip(model.parameters(), ref.parameters()):
         a, b = a.grad.full_tensor(), b.grad.full_tensor()
         diffs.append(((a - b).abs().max() / b.abs().max()).item())
-    return diffs, sorted(state._slot_of), refused
+    return diffs, sorted(state._shapes), refused
 
 
 def test_fsdp2_register_comm_hook():
@@ -303,7 +301,7 @@ def test_compiled_ddp_with_error_feedback_matches_eager():
     ranks = run_ranks(_compiled_worker, 2, 3, timeout=600)
     for out in ranks:
         history, breaks, captures, residuals = out[True]
-        assert breaks == {} and captures >= 1, (breaks, captures)
+        assert breaks == {} and captures == 1, (breaks, captures)  # no recompile
         assert residuals == out[False][3] == 2 * len(history[0])
         for got, want in zip(history, out[False][0]):
             for g, w in zip(got, want):

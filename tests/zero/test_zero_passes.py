@@ -618,3 +618,29 @@ class TestShardBackends(PassTestCase):
     def test_backend_not_listed_untouched(self):
         gm = traced_step(shard_buckets=True, shapes=((3,),))
         self.assertUntouched(gm, shard_weight_update, "backend fake", shard_backends=("nccl",))
+
+
+def test_interleave_leaves_int8_hooks_alone(monkeypatch):
+    """An int8 hook's all-gather follows its all-to-all as a ZeRO broadcast follows its gradient
+    collective; of int8 rows, it is not taken for one. Taken for one, the pass would reorder
+    the graph."""
+    import torch.distributed as dist
+
+    import compiled_hooks as ch
+    from passes.testing import fake_process_group
+
+    fake_process_group(2)
+    state = ch.QuantizedState(dist.group.WORLD, block_size=4, error_feedback=False)
+
+    def fn(g1, g2):
+        ch.int8_compress_hook(state, g1)
+        ch.int8_compress_hook(state, g2.sin())
+
+    gm = trace(fn, torch.ones(16), torch.ones(16), world_size=None)
+    text = graph_str(gm)
+    assert not interleave_zero_broadcasts(gm.graph) and graph_str(gm) == text
+    import sys
+
+    module = sys.modules["passes.interleave_zero_broadcasts"]  # the package exports the pass
+    monkeypatch.setattr(module, "is_quantized", lambda n: False)
+    assert interleave_zero_broadcasts(gm.graph)
