@@ -15,6 +15,8 @@ parameters, bandwidth-bound on a slow link); the main example's transformer as
   .bucket_all_reduces_fx = "all"``);
 - ours: compiled DDP + ``bf16_compress_hook`` with ``passes.install()`` (``default_pipeline``
   and Inductor's scheduling kept as the passes left it), and without passes for reference;
+  compiled DDP + ``int8_compress_hook`` (error feedback on) with the passes, whose ratio to the
+  bf16 row is printed under the table;
 - compute alone: the same model compiled without DDP (no communication at all).
 
 Every configuration's steps (forward + backward with gradient synchronisation) are interleaved,
@@ -67,12 +69,15 @@ MODELS = {
 }
 PEERS = ["eager DDP", "eager DDP + torch fp16 hook", "compiled + bf16 hook + torch bucketing"]
 OURS = ["compiled + bf16 hook + passes"]
-CONFIGS = PEERS + OURS + ["compiled + bf16 hook", "compute alone (compiled, no DDP)"]
+INT8 = "compiled + int8 hook + passes"
+CONFIGS = PEERS + OURS + [INT8, "compiled + bf16 hook", "compute alone (compiled, no DDP)"]
 STEP = "ddp_sync step"
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 COLLECTIVES = (
     "_c10d_functional::all_reduce_",
     "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_to_all_single",
+    "_c10d_functional::all_gather_into_tensor",
     "c10d::allreduce_",
 )
 
@@ -123,6 +128,10 @@ class Config:
         elif name.startswith("compute"):
             self.model = torch.compile(self.net)
             self.wire_bytes = 0
+        elif "int8" in name:
+            _, self.model = ch.compile_ddp(
+                self.net, ch.QuantizedState(dist.group.WORLD), ch.int8_compress_hook
+            )
         else:
             _, self.model = ch.compile_ddp(
                 self.net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook
@@ -327,6 +336,10 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
             f"{r['vs_bound']:.2f}x | {r['collectives']:g} | {r['mb']:.1f} | {exposed} | "
             f"{r['matmul_ms']:.1f} |"
         )
+    print(
+        f"\n{INT8}: {median[INT8] / median[OURS[0]]:.2f}x {OURS[0]} (int8 with error feedback "
+        "against bf16, both with the passes)."
+    )
     print(
         f"\nthe passes took {ours.passes_s * 1e3:.0f} ms of the {ours.compile_s:.1f} s its first "
         f"two steps took (compile included; {ours.passes_s / ours.compile_s:.1%}; 0 when Inductor "

@@ -22,6 +22,7 @@ from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
 from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
 from .bucket_low_rank_factors import bucket_low_rank_factors
+from .bucket_quantized_collectives import bucket_quantized_collectives
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
 from .fuse_collective_casts import fuse_collective_casts
@@ -42,6 +43,7 @@ __all__ = [
     "fuse_collective_casts",
     "fuse_cat_prologue",
     "bucket_low_rank_factors",
+    "bucket_quantized_collectives",
     "interleave_zero_broadcasts",
     "schedule_collectives",
     "bucket_block_all_gathers",

@@ -29,7 +29,12 @@ from torch.fx import Graph, Node
 
 from compiled_hooks import compat
 from compiled_hooks.fsdp.gather import BLOCK
-from compiled_hooks.ops import GROUP_RANK, POWERSGD_COUNT  # noqa: F401 - re-exported to the passes
+from compiled_hooks.ops import (  # noqa: F401 - re-exported to the passes
+    GROUP_RANK,
+    POWERSGD_COUNT,
+    QUANTIZED_ERROR,
+    QUANTIZED_KEEP_ERROR,
+)
 
 log = logging.getLogger("passes")
 

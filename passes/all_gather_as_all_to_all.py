@@ -116,6 +116,7 @@ class Options:
         "bucket_block_all_gathers",
         "shard_weight_update",
         "all_to_all_weight_update",
+        "bucket_quantized_collectives",
     ),
 )
 def all_gather_as_all_to_all(

@@ -37,6 +37,7 @@ from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
 from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
 from .bucket_low_rank_factors import bucket_low_rank_factors
+from .bucket_quantized_collectives import bucket_quantized_collectives
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
 from .fuse_collective_casts import fuse_collective_casts
@@ -238,12 +239,13 @@ def default_pipeline(
 ) -> Pipeline:
     """``all_to_all_weight_update``, ``fold_collective_scaling``, ``bucket_block_all_gathers``,
     ``bucket_block_reduce_scatters``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
-    ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
+    ``bucket_quantized_collectives``, ``fuse_cat_prologue``, ``interleave_zero_broadcasts``,
+    ``schedule_collectives``,
     ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``,
     ``reduce_scatter_as_all_to_all`` (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``
     (the three gloo rewrites'), ``all_gather_backends``, ``avg_backends``, ``bucket_cap_mb``,
     ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``, ``prefetch_depth``,
-    ``reduce_scatter_backends``;
+    ``quantized_bucket_cap_mb``, ``reduce_scatter_backends``;
     ``shard_backends`` with ``shard_weight_update``); with
     ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces
     it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
@@ -254,6 +256,7 @@ def default_pipeline(
         bucket_block_reduce_scatters,
         fuse_collective_casts,
         bucket_low_rank_factors,
+        bucket_quantized_collectives,
         fuse_cat_prologue,
         interleave_zero_broadcasts,
         schedule_collectives,

@@ -184,6 +184,7 @@ def schedule_problems(graph: Graph) -> list[str]:
         "bucket_low_rank_factors",
         "bucket_block_all_gathers",
         "bucket_block_reduce_scatters",
+        "bucket_quantized_collectives",
         "interleave_zero_broadcasts",
     )
 )

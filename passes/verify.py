@@ -6,10 +6,11 @@ run on the same random inputs made from the placeholders' metadata (floats from 
 normal distribution, integers and booleans as zeros so that indices stay valid), with every
 collective *simulated* for N ranks that hold identical values, seen from rank 0:
 ``all_reduce`` sum is ``N * x`` and avg is ``x``, ``reduce_scatter`` gives rank 0's shard,
-``all_to_all`` N copies of it unreduced, ``all_gather`` repeats, ``broadcast`` and ``wait`` are the
-identity, ``group_rank`` is 0. So verification never communicates (it is safe at compile time on any
-number of ranks, whatever each rank compiles), and it checks exactly what the passes rewrite: the
-arithmetic and the data layout around the collectives.
+``all_to_all`` N copies of it unreduced, ``all_gather`` repeats, ``broadcast`` and ``wait`` are
+the identity, ``group_rank`` is 0, the int8 hook's residuals are zeros and never kept. So
+verification never communicates (it is safe at compile time on any number of ranks, whatever
+each rank compiles), and it checks exactly what the passes rewrite: the arithmetic and the data
+layout around the collectives.
 
 A mismatch raises :class:`PassVerificationError` naming the pass, the first output that
 differs, the first node (by name, present in both graphs) whose value differs, and the graph
@@ -35,6 +36,8 @@ from ._graph import (
     COLLECTIVES,
     GROUP_RANK,
     POWERSGD_COUNT,
+    QUANTIZED_ERROR,
+    QUANTIZED_KEEP_ERROR,
     REDUCE_SCATTER,
     WAIT,
     group_info,
@@ -107,6 +110,10 @@ _SIMULATED: dict[Any, Callable[..., Any]] = {
     POWERSGD_COUNT: lambda grad, state_id, slot, rows, cols: torch.randn(
         rows, cols, generator=torch.Generator().manual_seed(slot), dtype=grad.dtype
     ).to(grad.device),
+    # The int8 hook's residuals: never read or kept (it would change the state); a residual of
+    # zeros, the same in both graphs.
+    QUANTIZED_ERROR: lambda like, state_id, key, part: torch.zeros_like(like),
+    QUANTIZED_KEEP_ERROR: lambda residual, state_id, key, part: None,
 }
 
 

@@ -6,10 +6,11 @@ reduced in a subgroup); a ZeRO-shaped step (average, update, broadcast from an o
 ZeRO hooks' step over a real ``ZeroOptimizer`` (SGD-momentum, Adam or AdamW, whole parameters or
 ``shard_buckets``, interleaved or after backward, fp32 or bf16 hook, buckets of one parameter,
 a few, or all); ``data_parallel``-shaped blocks of gathers and reduce-scatters under their block
-marks; and hand-written chains (random constant factors, casts, views, sum or avg, all_reduce or
-reduce_scatter). Each case is ``(description, make, args, world_size)``; ``make()`` builds the
-function and its process-group state, after the fake group of ``world_size`` exists; ``args`` is a
-tuple, or a callable giving one that is called after ``make()``.
+marks; hand-written chains (random constant factors, casts, views, sum or avg, all_reduce or
+reduce_scatter); and int8 hook calls in a DDP-shaped backward. Each case is ``(description,
+make, args, world_size)``; ``make()`` builds the function and its process-group state, after
+the fake group of ``world_size`` exists; ``args`` is a tuple, or a callable giving one that is
+called after ``make()``.
 """
 
 from __future__ import annotations
@@ -214,7 +215,48 @@ def data_parallel_case(rng: random.Random, ws: int) -> Case:
     return f"data_parallel {kind} blocks={[len(b) for b in blocks]}", make, args, ws
 
 
-FAMILIES = [hook_case, ddp_case, zero_case, zero_optimizer_case, chain_case, data_parallel_case]
+def int8_case(rng: random.Random, ws: int) -> Case:
+    """A DDP-shaped backward through ``int8_compress_hook``: gradients of random shapes, each
+    after some compute, all-reduced or reduce-scattered (the shard returned), with or without
+    error feedback, part of them in a subgroup."""
+    shapes = [_shape(rng) for _ in range(rng.randint(1, 8))]
+    block, feedback, sharded = rng.choice([1, 4, 32, 256]), rng.random() < 0.5, rng.random() < 0.3
+    in_subgroup = [ws >= 4 and rng.random() < 0.3 for _ in shapes]
+
+    def make():
+        world = ch.QuantizedState(dist.group.WORLD, block_size=block, error_feedback=feedback)
+        sub = ch.QuantizedState(_subgroup(ws), block_size=block, error_feedback=feedback)
+
+        def fn(*grads):
+            shards = []
+            for i, (g, use_sub) in enumerate(zip(grads, in_subgroup)):
+                state = sub if use_sub else world
+                g.copy_(torch.sin(g))
+                if sharded:
+                    flat = torch.nn.functional.pad(
+                        g.reshape(-1), (0, -g.numel() % state.world_size)
+                    )
+                    shards.append(flat.new_empty(flat.numel() // state.world_size))
+                    ch.int8_compress_hook(state, flat, shards[-1], param=f"p{i}")
+                else:
+                    ch.int8_compress_hook(state, g, param=f"p{i}")
+            return (*grads, *shards)
+
+        return fn
+
+    desc = f"int8 params={len(shapes)} block={block} feedback={feedback} sharded={sharded}"
+    return desc, make, tuple(_tensor(rng, s) for s in shapes), ws
+
+
+FAMILIES = [
+    hook_case,
+    ddp_case,
+    zero_case,
+    zero_optimizer_case,
+    chain_case,
+    data_parallel_case,
+    int8_case,
+]
 
 
 def random_case(rng: random.Random) -> Case:
@@ -225,4 +267,5 @@ def random_options(rng: random.Random) -> dict[str, float]:
     return {
         "bucket_cap_mb": rng.choice([None, 25.0, 1e-4, 5e-4]),
         "first_bucket_cap_mb": rng.choice([1.0, 1e-4]),
+        "quantized_bucket_cap_mb": rng.choice([None, 1e-4, 1e-3]),
     }

@@ -23,12 +23,16 @@ SEED = int(os.environ.get("RANDOM_GRAPHS_SEED", "0"))
 
 def _pipelines(rng):
     opts = random_options(rng)
+    quantized_cap = opts.pop("quantized_bucket_cap_mb")
     return {
         "fold_collective_scaling": passes.Pipeline([passes.fold_collective_scaling]),
         "fuse_collective_casts": passes.Pipeline([passes.fuse_collective_casts], **opts),
-        "default_pipeline": passes.default_pipeline(**opts),
+        "bucket_quantized_collectives": passes.Pipeline(
+            [passes.bucket_quantized_collectives], quantized_bucket_cap_mb=quantized_cap
+        ),
+        "default_pipeline": passes.default_pipeline(**opts, quantized_bucket_cap_mb=quantized_cap),
         "default_pipeline + shard_weight_update": passes.default_pipeline(
-            shard_weight_update=True, **opts
+            shard_weight_update=True, **opts, quantized_bucket_cap_mb=quantized_cap
         ),
     }
 
@@ -72,7 +76,7 @@ def test_random_graphs():
     skipped = {k: v for k, v in counters["passes"].items() if "verify skipped" in k}
     assert not skipped, skipped
     SUMMARY.append(
-        f"randomized pass test: seed {SEED}, {tally['graphs']} graphs x 4 pipelines: "
+        f"randomized pass test: seed {SEED}, {tally['graphs']} graphs x 5 pipelines: "
         f"{tally['rewritten']} rewrites verified, {tally['unchanged']} left unchanged"
     )
     assert tally["rewritten"] > COUNT // 2  # the generator really exercises the passes

@@ -1,0 +1,184 @@
+"""bucket_quantized_collectives: the int8 hooks' collectives of many gradients go out as one.
+
+``int8_compress_hook`` (:mod:`compiled_hooks.quantized`) sends each gradient's quantized rows
+with one ``all_to_all`` and, in its all-reduce form, gathers the re-quantized shard with one
+``all_gather``, of int8 tensors ``[rows, W]`` (a row's scales' bytes, then its values). In a
+compiled DDP backward that is two collectives per parameter. This pass merges the collectives
+of one kind and one group into buckets of at most ``quantized_bucket_cap_mb``: the members'
+rows side by side (a ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``), one
+collective, and each member reads its columns back::
+
+    before                                      after
+    a1 = all_to_all(p1, None, None, G)          ... p1 and p2 computed ...
+    w1 = wait(a1)                               b = all_to_all(cat([p1, p2], 1), None, None, G)
+    u1 = f(w1)                                  ... compute that needs neither ...
+    ... p2 computed ...                         wb = wait(b)
+    a2 = all_to_all(p2, None, None, G)          u1 = f(clone(wb[:, :W1]))
+    w2 = wait(a2)                               u2 = f(clone(wb[:, W1:]))
+    u2 = f(w2)
+
+The bucket goes out right after its last member's input is ready. Everything that depends on a
+member's result and came before that point (``u1``, and the all-gather that follows it) moves
+down, with the bucket's wait, to just before the first node after it that needs any of them,
+so the compute in between runs while the bucket is on the wire. A bucket is left as it is
+when one of the nodes that would move is needed by a member's input or writes a tensor (a
+mutation could be read in between). The same bytes go to the same ranks: values are the same,
+bit for bit. Collective order changes, the same on every rank. Idempotent: one member per
+bucket is left alone.
+
+Members: ``all_to_all_single`` with even splits (the same row count to and from every rank)
+and ``all_gather_into_tensor``, of a 2-D int8 input, with one user, its wait (the int8
+collectives are the only ones that carry int8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import cast
+
+import torch
+from torch.fx import Graph, Node
+
+from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, check_graph, is_op, new_node, record, val
+from .interface import graph_pass
+
+__all__ = ["bucket_quantized_collectives"]
+
+PASS = "bucket_quantized_collectives"
+DEFAULT_CAP_MB = 25.0  # DDP's default bucket size
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    quantized_bucket_cap_mb: float | None = None
+    """Cap of one bucket's int8 input in MiB; None: 25 MiB, DDP's default."""
+
+
+def _member(n: Node) -> bool:
+    if not is_op(n, (ALL_TO_ALL, ALL_GATHER)):
+        return False
+    x = val(n.args[0])
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 2:
+        return False
+    if n.target is ALL_TO_ALL and not (_even(n.args[1], x.shape[0]) and n.args[1] == n.args[2]):
+        return False
+    return len(n.users) == 1 and is_op(next(iter(n.users)), (WAIT,))
+
+
+def _even(splits: object, rows: int) -> bool:
+    """``splits`` are equal ints summing to ``rows`` (None: even, as the functional op says)."""
+    if splits is None:
+        return True
+    if not isinstance(splits, (list, tuple)) or not all(isinstance(s, int) for s in splits):
+        return False
+    return len(set(splits)) == 1 and sum(splits) == rows
+
+
+def _key(n: Node) -> tuple:
+    return (n.target, *(tuple(a) if isinstance(a, list) else a for a in n.args[1:]))
+
+
+def _buckets(graph: Graph, cap_bytes: float) -> list[list[Node]]:
+    """Members in graph order, by kind and group, cut where the cap would be passed."""
+    open_: dict[tuple, list[Node]] = {}
+    size: dict[tuple, int] = {}
+    done: list[list[Node]] = []
+    for n in graph.nodes:
+        if not _member(n):
+            continue
+        key, nbytes = _key(n), val(n.args[0]).numel()
+        if key in open_ and size[key] + nbytes > cap_bytes:
+            done.append(open_.pop(key))
+        if key not in open_:
+            open_[key], size[key] = [], 0
+        open_[key].append(n)
+        size[key] += nbytes
+    return [b for b in done + list(open_.values()) if len(b) > 1]
+
+
+def _dependents(starts: list[Node]) -> set[Node]:
+    seen, stack = set(starts), list(starts)
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _ancestors(starts: list[Node]) -> set[Node]:
+    seen, stack = set(starts), list(starts)
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return seen
+
+
+def _writes(n: Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _merge(graph: Graph, bucket: list[Node]) -> bool:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    target = cast(torch._ops.OpOverload, bucket[0].target)
+    inputs = [cast(Node, m.args[0]) for m in bucket]
+    anchor = max(inputs, key=order.__getitem__)
+    waits = [next(iter(m.users)) for m in bucket]
+    own = set(bucket) | set(waits)
+    dependents = _dependents(bucket)
+    movers = sorted(
+        (n for n in dependents if order[n] < order[anchor] and n not in own),
+        key=order.__getitem__,
+    )
+    if set(movers) & _ancestors(inputs):
+        record(PASS, "skipped bucket: a member's input needs another member's result", bucket[0])
+        return False
+    if any(_writes(n) for n in movers):
+        record(PASS, "skipped bucket: a write would move", bucket[0])
+        return False
+    later = [n for n in dependents if order[n] > order[anchor] and n not in own]
+    first_use = (
+        min(later, key=order.__getitem__) if later else next(iter(graph.find_nodes(op="output")))
+    )
+
+    with graph.inserting_after(anchor):
+        cat = new_node(graph, aten.cat.default, (inputs, 1), name="quantized_bucket_cat")
+    with graph.inserting_after(cat):
+        coll = new_node(graph, target, (cat, *bucket[0].args[1:]), name="quantized_bucket")
+    with graph.inserting_before(first_use):
+        wait = new_node(graph, WAIT, (coll,), name="quantized_bucket_wait")
+        start = 0
+        for m, w in zip(bucket, waits):
+            width = val(m.args[0]).shape[1]
+            piece = new_node(graph, aten.slice.Tensor, (wait, 1, start, start + width))
+            piece = new_node(
+                graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
+            )
+            w.replace_all_uses_with(piece)
+            start += width
+    for n in movers:
+        first_use.prepend(n)
+    for m, w in zip(bucket, waits):
+        graph.erase_node(w)
+        graph.erase_node(m)
+    record(PASS, f"bucketed {len(bucket)} int8 {target._schema.name.split('::')[-1]}s", coll)
+    return True
+
+
+@graph_pass(options=Options)
+def bucket_quantized_collectives(
+    graph: Graph, quantized_bucket_cap_mb: float | None = None
+) -> bool:
+    """Merge the int8 collectives of one kind and group into buckets (see the module
+    docstring). Returns True when the graph changed."""
+    check_graph(PASS, graph)
+    cap_mb = DEFAULT_CAP_MB if quantized_bucket_cap_mb is None else quantized_bucket_cap_mb
+    cap = cap_mb * 2**20
+    changed = False
+    for target in (ALL_TO_ALL, ALL_GATHER):  # the gathers follow the all-to-alls' results
+        for bucket in [b for b in _buckets(graph, cap) if b[0].target is target]:
+            changed |= _merge(graph, bucket)
+    return changed

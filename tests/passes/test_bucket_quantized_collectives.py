@@ -1,0 +1,121 @@
+"""bucket_quantized_collectives on traced int8 hook calls (fake process group): one all-to-all
+and one all-gather for many gradients, in an order that lets compute run while they are in
+flight, the same values (simulated collectives), and what is left alone."""
+
+import torch
+import torch.distributed as dist
+
+import compiled_hooks as ch
+from passes import bucket_quantized_collectives
+from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT
+from passes.testing import fake_process_group, graph_str, trace
+from passes.verify import check_rewrite, copy_graph
+from tests.passcase import PassTestCase
+
+
+def hook_graph(shapes=((16,), (6, 5), (33,)), feedback=False, reduce_scatter=False):
+    """A backward's shape: each gradient computed (``sin`` of the last one), then hooked."""
+    fake_process_group(2)
+    state = ch.QuantizedState(dist.group.WORLD, block_size=8, error_feedback=feedback)
+
+    def fn(*grads):
+        c, shards = grads[0].sum(), []
+        for i, grad in enumerate(grads):
+            c = (c + grad.sum()).cos()  # each gradient needs compute after the one before
+            g = grad * c
+            if reduce_scatter:
+                shards.append(g.new_empty(g.numel() // 2))
+                ch.int8_compress_hook(state, g.reshape(-1), shards[-1], param=f"p{i}")
+            else:
+                ch.int8_compress_hook(state, g, param=f"p{i}")
+                grad.copy_(g)
+        return shards
+
+    return trace(fn, *[torch.randn(s) for s in shapes], world_size=None)
+
+
+def collectives(gm):
+    return [n for n in gm.graph.nodes if n.target in (ALL_TO_ALL, ALL_GATHER)]
+
+
+class TestBucketQuantizedCollectives(PassTestCase):
+    def test_one_all_to_all_and_one_all_gather_with_the_same_values(self):
+        for feedback in (False, True):
+            gm = hook_graph(feedback=feedback)
+            before = copy_graph(gm.graph)
+            self.assertEqual(len(collectives(gm)), 6)
+            self.assertTrue(bucket_quantized_collectives(gm.graph))
+            gm.graph.lint()
+            self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL, ALL_GATHER])
+            self.assertTrue(check_rewrite("test", before, gm.graph))
+
+    def test_reduce_scatter_form(self):
+        gm = hook_graph(shapes=((16,), (8,)), reduce_scatter=True)
+        before = copy_graph(gm.graph)
+        self.assertTrue(bucket_quantized_collectives(gm.graph))
+        self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL])
+        self.assertTrue(check_rewrite("test", before, gm.graph))
+
+    def test_bucket_goes_out_after_its_last_input_and_is_waited_at_first_use(self):
+        """The bucket is issued as soon as the last gradient's rows are packed; what reads any
+        member's result (the first gradient's sum and re-quantization) comes after its wait."""
+        gm = hook_graph()
+        bucket_quantized_collectives(gm.graph)
+        nodes = list(gm.graph.nodes)
+        a2a = next(n for n in nodes if n.target is ALL_TO_ALL)
+        (wait,) = a2a.users
+        self.assertIs(a2a.args[0].target, torch.ops.aten.cat.default)
+        last_input = max(a2a.args[0].args[0], key=nodes.index)
+        self.assertEqual(nodes.index(a2a), nodes.index(a2a.args[0]) + 1)
+        self.assertLess(nodes.index(last_input), nodes.index(a2a.args[0]))
+        readers = [u for u in wait.users]
+        self.assertTrue(all(nodes.index(r) > nodes.index(wait) for r in readers))
+        self.assertIs(wait.target, WAIT)
+
+    def test_idempotent_and_one_member_left_alone(self):
+        gm = hook_graph()
+        bucket_quantized_collectives(gm.graph)
+        text = graph_str(gm)
+        self.assertFalse(bucket_quantized_collectives(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+        gm = hook_graph(shapes=((16,),))
+        text = graph_str(gm)
+        self.assertFalse(bucket_quantized_collectives(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_cap_cuts_buckets(self):
+        gm = hook_graph(shapes=((64,), (64,), (64,), (64,)))
+        # a member's all-to-all sends 2 rows of 4 blocks (8 values and a 4-byte scale each): 96
+        # bytes; its all-gather one row, 48 bytes. A cap of 200 bytes: 2 + 2, and 4.
+        bucket_quantized_collectives(gm.graph, quantized_bucket_cap_mb=200 / 2**20)
+        self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL, ALL_TO_ALL, ALL_GATHER])
+
+    def test_a_member_whose_input_needs_another_members_result_is_left_alone(self):
+        """The second gradient is computed from the first one's average: they cannot go out
+        together."""
+        fake_process_group(2)
+        state = ch.QuantizedState(dist.group.WORLD, block_size=8, error_feedback=False)
+
+        def fn(a, b):
+            ch.int8_compress_hook(state, a)
+            b.add_(a)
+            ch.int8_compress_hook(state, b)
+
+        gm = trace(fn, torch.randn(16), torch.randn(16), world_size=None)
+        self.assertUntouched(
+            gm, bucket_quantized_collectives, "a member's input needs another member's result"
+        )
+
+    def test_float_collectives_are_not_members(self):
+        fake_process_group(2)
+        c10d = torch.ops._c10d_functional
+
+        def fn(a, b):
+            x = c10d.wait_tensor(c10d.all_gather_into_tensor(a, 2, "0"))
+            y = c10d.wait_tensor(c10d.all_gather_into_tensor(b, 2, "0"))
+            return x + y
+
+        gm = trace(fn, torch.randn(1, 8), torch.randn(1, 8), world_size=None)
+        text = graph_str(gm)
+        self.assertFalse(bucket_quantized_collectives(gm.graph))
+        self.assertEqual(graph_str(gm), text)
