@@ -237,7 +237,8 @@ def _numel(shape: list[int]) -> int:
 
 
 def _itemsize(dtype: str) -> int:
-    return {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}.get(dtype, 4)
+    sizes = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "signed char": 1}
+    return sizes.get(dtype, 4)
 
 
 def wire_ms(elements: int, dtype: torch.dtype, reps: int = 10) -> tuple[float, float]:

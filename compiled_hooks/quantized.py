@@ -1,7 +1,7 @@
 """int8 gradient communication (ZeRO++'s qgZ), compile-native: ``int8_compress_hook``.
 
 Each rank quantizes its gradient block-wise to int8 (fp32 scales, :mod:`.quantize`), the
-ranks exchange their rows with all-to-alls, and each sums what it received in fp32 and
+ranks exchange their rows with one all-to-all, and each sums what it received in fp32 and
 divides by the world size: that is the reduce-scatter form (``output`` given). The all-reduce
 form then quantizes the averaged shard again and all-gathers it; every rank dequantizes the
 same bytes, so every rank ends with the same gradient, bit for bit::
@@ -175,16 +175,15 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
     world, shard, group = state.world_size, rows.shape[1], state.process_group
     q, scales = quantize(rows, state.block_size)
     if folded is not None:
-        sent = dequantize(q, scales, shard).reshape(-1)[: x.numel()]
-        residual = x - sent
+        residual = x - dequantize(q, scales, shard).reshape(-1)[: x.numel()]
         residual = torch.where(torch.isfinite(residual), residual, folded)
         for k, g, (start, end) in zip(keys, grads, spans):
             state._keep_error(k, WORKER, residual[start:end].view(g.shape))  # type: ignore[arg-type]
     bucket_key = f"bucket:{bucket.index()}" if state.error_feedback else None
     order, bs = state._in_order, state.block_size
     exchange, gather = order.reserve(), order.reserve()
-    sent = pack(q, scales)
-    received = torch.empty_like(sent)
+    packed = pack(q, scales)
+    received = torch.empty_like(packed)
     gathered: list[torch.Tensor] = []
 
     def reduce(fut: torch.futures.Future[Any]) -> None:
@@ -210,7 +209,7 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
 
     order.fill(
         exchange,
-        lambda: dist.all_to_all_single(received, sent, group=group, async_op=True).get_future(),
+        lambda: dist.all_to_all_single(received, packed, group=group, async_op=True).get_future(),
     ).then(reduce)
     return gather.future.then(finish)
 
