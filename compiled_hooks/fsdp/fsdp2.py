@@ -19,6 +19,10 @@ this package's hooks for the root module and every FSDP module below it:
 - everywhere, ``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)``:
   FSDP2 itself neither divides nor averages, so the hook's pre/post division is the only one.
 
+A hook that keeps state per parameter (it takes ``param=``: ``int8_compress_hook``) is called
+with a key per FSDP module, ``"module<i>"`` (``"group<i>"`` per replicated parameter group), in
+the order of ``module.modules()``; ``compile=True`` is refused for it (one graph per key).
+
 The registration rules of FSDP1 hold: only the root accepts a hook (``register_comm_hook can
 only be called on a root instance.``), and a module that already has one refuses another
 (``A communication hook is already registered``). :func:`get_comm_hook` tells which hook and

@@ -384,7 +384,8 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
     ``hook(state, grad, output)`` with ``state`` over the shard group; ``"hybrid_shard"`` then
     all-reduces the shard across the replicas with the same hook's ``hook(state, grad)`` form
     (``allreduce_hook`` for ``reduce_scatter_hook``) over the replicate group, so the result is
-    averaged over all ranks. ``"replicate"`` calls ``hook(state, grad)``."""
+    averaged over all ranks. ``"replicate"`` calls ``hook(state, grad)``. A hook that takes
+    ``param=`` (``int8_compress_hook``) gets the parameter's fully qualified name."""
     name = "register_comm_hook"
     dp = getattr(module, "_data_parallel", None)
     if dp is None:
