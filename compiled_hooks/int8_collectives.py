@@ -48,12 +48,10 @@ __all__ = [
 
 def pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """One int8 row per row of :func:`~compiled_hooks.quantize.quantize`'s ``(q, scales)``:
-    ``[rows, 4 * blocks + blocks * block_size]``, the scales' bytes first (so a row's scales
-    start at a multiple of 4 bytes). Flattened before the byte view: a view to a narrower
-    dtype needs a unit last stride, which Inductor does not promise for a 2-D result."""
+    ``[rows, 4 * blocks + blocks * block_size]``, each scale's 4 bytes (least significant
+    first) then the values."""
     rows = q.shape[0]
-    scale_bytes = scales.reshape(-1).view(torch.int8).view(rows, -1)
-    return torch.cat([scale_bytes, q.reshape(rows, -1)], dim=1)
+    return torch.cat([_scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)], dim=1)
 
 
 def unpack(packed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +59,31 @@ def unpack(packed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.T
     ``[rows, blocks]``."""
     rows, width = packed.shape
     blocks = width // (block_size + 4)
-    scales = packed[:, : 4 * blocks].reshape(-1).view(torch.float32).view(rows, blocks)
+    scales = _scales_of(packed[:, : 4 * blocks].reshape(rows, blocks, 4))
     return packed[:, 4 * blocks :].reshape(rows, blocks, block_size), scales
+
+
+# A scale's bytes by arithmetic on its bits, not by a view to a narrower dtype: Inductor lowers
+# such a view only where the last stride is 1, which it does not promise for a dimension of
+# size 1 (torch 2.11 refuses a [1, 1] scale); a same-size view (fp32 <-> int32) is a bitcast in
+# any layout.
+_BYTE_SHIFTS = (0, 8, 16, 24)
+
+
+def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[..., blocks]`` -> int8 ``[..., blocks, 4]``: each scale's bytes, least
+    significant first."""
+    bits = scales.view(torch.int32)
+    parts = torch.stack([(bits >> s) & 0xFF for s in _BYTE_SHIFTS], dim=-1)
+    return torch.where(parts > 127, parts - 256, parts).to(torch.int8)
+
+
+def _scales_of(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """:func:`_scale_bytes` back: int8 ``[..., 4]`` -> fp32 ``[...]``. The top byte keeps its
+    sign, so the sum is the int32 bit pattern exactly, with no overflow."""
+    b = scale_bytes.to(torch.int32)
+    low = (b[..., 0] & 0xFF) + (b[..., 1] & 0xFF) * 256 + (b[..., 2] & 0xFF) * 65536
+    return (low + b[..., 3] * 16777216).view(torch.float32)
 
 
 def reduce_scatter_quantized(
