@@ -78,6 +78,12 @@ def _read(state: QuantizedState, key: str, part: int, like: torch.Tensor) -> tor
     return state._error(key, part, like, NAME)
 
 
+def _residual(x: torch.Tensor, sent: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
+    """``x - sent``; where that is not finite, the error ``folded`` into ``x`` stays."""
+    residual = x - sent
+    return torch.where(torch.isfinite(residual), residual, folded)
+
+
 def _keep(
     state: QuantizedState,
     key: str,
@@ -86,9 +92,8 @@ def _keep(
     sent: torch.Tensor,
     folded: torch.Tensor,
 ) -> None:
-    """Keep ``x - sent``; where that is not finite, the error ``folded`` into ``x`` stays."""
-    residual = x - sent
-    residual = torch.where(torch.isfinite(residual), residual, folded)
+    """Keep :func:`_residual` of ``x`` as the error of ``(key, part)``."""
+    residual = _residual(x, sent, folded)
     if torch.compiler.is_compiling():
         ops.quantized_keep_error(residual, state._id, key, part)
     else:
@@ -175,8 +180,7 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
     world, shard, group = state.world_size, rows.shape[1], state.process_group
     q, scales = quantize(rows, state.block_size)
     if folded is not None:
-        residual = x - dequantize(q, scales, shard).reshape(-1)[: x.numel()]
-        residual = torch.where(torch.isfinite(residual), residual, folded)
+        residual = _residual(x, dequantize(q, scales, shard).reshape(-1)[: x.numel()], folded)
         for k, g, (start, end) in zip(keys, grads, spans):
             state._keep_error(k, WORKER, residual[start:end].view(g.shape))  # type: ignore[arg-type]
     bucket_key = f"bucket:{bucket.index()}" if state.error_feedback else None

@@ -246,6 +246,34 @@ def input_cone(collective: Node) -> list[Node]:
     return cone
 
 
+def ancestors(starts: list[Node], keep: Callable[[Node], bool] = lambda n: True) -> set[Node]:
+    """``starts`` and every node they depend on through inputs for which ``keep`` holds."""
+    seen, stack = set(starts), list(starts)
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if keep(i) and i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return seen
+
+
+def dependents(starts: list[Node]) -> set[Node]:
+    """``starts`` and every node that depends on them."""
+    seen, stack = set(starts), list(starts)
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def mutates(n: Node) -> bool:
+    """Whether ``n`` calls an op that writes one of its arguments."""
+    schema = getattr(n.target, "_schema", None)
+    return n.op == "call_function" and schema is not None and schema.is_mutable
+
+
 def check_graph(pass_name: str, graph: Any) -> None:
     """A pass takes a ``torch.fx.Graph``; anything else is a usage error."""
     if isinstance(graph, torch.fx.GraphModule):

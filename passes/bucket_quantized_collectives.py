@@ -39,7 +39,20 @@ from typing import cast
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, check_graph, is_op, new_node, record, val
+from ._graph import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    WAIT,
+    ancestors,
+    aten,
+    check_graph,
+    dependents,
+    is_op,
+    mutates,
+    new_node,
+    record,
+    val,
+)
 from .interface import graph_pass
 
 __all__ = ["bucket_quantized_collectives"]
@@ -96,31 +109,6 @@ def _buckets(graph: Graph, cap_bytes: float) -> list[list[Node]]:
     return [b for b in done + list(open_.values()) if len(b) > 1]
 
 
-def _dependents(starts: list[Node]) -> set[Node]:
-    seen, stack = set(starts), list(starts)
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
-def _ancestors(starts: list[Node]) -> set[Node]:
-    seen, stack = set(starts), list(starts)
-    while stack:
-        for i in stack.pop().all_input_nodes:
-            if i not in seen:
-                seen.add(i)
-                stack.append(i)
-    return seen
-
-
-def _writes(n: Node) -> bool:
-    schema = getattr(n.target, "_schema", None)
-    return schema is not None and schema.is_mutable
-
-
 def _merge(graph: Graph, bucket: list[Node]) -> bool:
     order = {n: i for i, n in enumerate(graph.nodes)}
     target = cast(torch._ops.OpOverload, bucket[0].target)
@@ -128,18 +116,18 @@ def _merge(graph: Graph, bucket: list[Node]) -> bool:
     anchor = max(inputs, key=order.__getitem__)
     waits = [next(iter(m.users)) for m in bucket]
     own = set(bucket) | set(waits)
-    dependents = _dependents(bucket)
+    reached = dependents(bucket)
     movers = sorted(
-        (n for n in dependents if order[n] < order[anchor] and n not in own),
+        (n for n in reached if order[n] < order[anchor] and n not in own),
         key=order.__getitem__,
     )
-    if set(movers) & _ancestors(inputs):
+    if set(movers) & ancestors(inputs):
         record(PASS, "skipped bucket: a member's input needs another member's result", bucket[0])
         return False
-    if any(_writes(n) for n in movers):
+    if any(mutates(n) for n in movers):
         record(PASS, "skipped bucket: a write would move", bucket[0])
         return False
-    later = [n for n in dependents if order[n] > order[anchor] and n not in own]
+    later = [n for n in reached if order[n] > order[anchor] and n not in own]
     first_use = (
         min(later, key=order.__getitem__) if later else next(iter(graph.find_nodes(op="output")))
     )

@@ -54,7 +54,6 @@ would move past a write (which it might read), is left where it is.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 
 from torch.fx import Graph, Node
 
@@ -65,10 +64,12 @@ from ._graph import (
     BROADCAST,
     COLLECTIVES,
     WAIT,
+    ancestors,
     check_graph,
     is_collective,
     is_op,
     is_quantized,
+    mutates,
     record,
 )
 from .interface import graph_pass
@@ -108,22 +109,6 @@ def _latest_gradient_wait(graph: Graph, position: dict[Node, int]) -> dict[Node,
     return latest
 
 
-def _ancestors(starts: list[Node], keep: Callable[[Node], bool]) -> set[Node]:
-    """``starts`` and what they depend on through inputs for which ``keep`` holds."""
-    seen, stack = set(starts), list(starts)
-    while stack:
-        for i in stack.pop().all_input_nodes:
-            if keep(i) and i not in seen:
-                seen.add(i)
-                stack.append(i)
-    return seen
-
-
-def _mutates(n: Node) -> bool:
-    schema = getattr(n.target, "_schema", None)
-    return n.op == "call_function" and schema is not None and schema.is_mutable
-
-
 def _written_between(mutations: list[int], lo: int, hi: int) -> bool:
     """Whether a write (``mutations``: sorted positions) lies strictly between ``lo`` and ``hi``."""
     return bisect.bisect_right(mutations, lo) < bisect.bisect_left(mutations, hi)
@@ -132,7 +117,7 @@ def _written_between(mutations: list[int], lo: int, hi: int) -> bool:
 def _movable(n: Node) -> bool:
     """A pure computation, or a constant (``get_attr``: e.g. an index tensor)."""
     return n.op == "get_attr" or (
-        n.op == "call_function" and not is_op(n, (WAIT,)) and not _mutates(n)
+        n.op == "call_function" and not is_op(n, (WAIT,)) and not mutates(n)
     )
 
 
@@ -148,7 +133,7 @@ def _issued_together(
         def between(i: Node, lo: int = lo, hi: int = hi) -> bool:
             return lo < position[i] < hi
 
-        inputs = _ancestors([nxt], between)
+        inputs = ancestors([nxt], between)
         if all(n in inputs for n in nodes[lo + 1 : hi]):
             end[c] = end[nxt]
     return end
@@ -196,7 +181,7 @@ def _held_updates(
             )
             continue
         inside = set(region)
-        need = _ancestors([n for n in region if n in broadcasts], inside.__contains__)
+        need = ancestors([n for n in region if n in broadcasts], inside.__contains__)
         updates, rest = [n for n in region if n in need], [n for n in region if n not in need]
         held[anchor] = ([], updates + rest) if past else (updates, rest)
     return held
@@ -218,7 +203,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
         return False
     last_issue = gradient_collectives[-1]
     waits = {next(iter(b.users)) for b in broadcasts}
-    mutations = [position[n] for n in nodes if _mutates(n)]
+    mutations = [position[n] for n in nodes if mutates(n)]
     # interleaved (some broadcast before the last gradient collective; moving updates down to the
     # next gradient collective keeps it so): each update down to the next collective
     interleaved = position[broadcasts[0]] < position[last_issue]
@@ -243,7 +228,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             nodes = reordered
             position = {n: i for i, n in enumerate(nodes)}
             latest = _latest_gradient_wait(graph, position)
-            mutations = [position[n] for n in nodes if _mutates(n)]
+            mutations = [position[n] for n in nodes if mutates(n)]
             for b in moved.intersection(broadcasts):
                 record(PASS, "update held back to the next gradient collective", b)
 
@@ -262,7 +247,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
         order.append(n)
         placed.add(n)
         for b in anchored.get(n, ()):
-            update = sorted(_ancestors([b], lambda i: i not in placed), key=position.__getitem__)
+            update = sorted(ancestors([b], lambda i: i not in placed), key=position.__getitem__)
             if not all(_movable(u) for u in update if u is not b) or any(
                 is_collective(u) for u in update if u is not b
             ):
@@ -288,7 +273,7 @@ def interleave_zero_broadcasts(graph: Graph) -> bool:
             deferred.append(n)
             waiting.add(n)
             continue
-        if deferred and (reads_waiting or _mutates(n) or n.op == "output"):
+        if deferred and (reads_waiting or mutates(n) or n.op == "output"):
             final += deferred
             deferred, waiting = [], set()
         final.append(n)

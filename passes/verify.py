@@ -40,6 +40,7 @@ from ._graph import (
     QUANTIZED_KEEP_ERROR,
     REDUCE_SCATTER,
     WAIT,
+    ancestors,
     group_info,
     record,
 )
@@ -228,16 +229,6 @@ def _snippet(graph: Graph, name: str | None, context: int = 4) -> str:
     return "\n".join((["..."] if lo else []) + lines[lo:hi] + (["..."] if hi < len(lines) else []))
 
 
-def _ancestors(node: Node) -> set[Node]:
-    seen, stack = {node}, [node]
-    while stack:
-        for inp in stack.pop().all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                stack.append(inp)
-    return seen
-
-
 def check_rewrite(pass_name: str, before: Graph, after: Graph, seed: int = 0) -> bool:
     """Raise :class:`PassVerificationError` if ``after`` computes other values than ``before``.
     Returns False (and counts why) when the graph holds something the simulation cannot run."""
@@ -256,7 +247,7 @@ def check_rewrite(pass_name: str, before: Graph, after: Graph, seed: int = 0) ->
         if problem is None:
             continue
         if i < len(out_args) and isinstance(out_args[i], Node):
-            where, suspects = f"output {i} ({out_args[i].name})", _ancestors(out_args[i])
+            where, suspects = f"output {i} ({out_args[i].name})", ancestors([out_args[i]])
         else:
             where, suspects = f"input {i - len(out_args)} (written in place)", set(after.nodes)
         first = next(
