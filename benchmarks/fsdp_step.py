@@ -14,7 +14,10 @@ configuration reduces gradients in bf16, with fp32 parameters or ``param_dtype``
   here) compiled whole with Inductor's FSDP bucketing (``bucket_all_gathers_fx="only_fsdp"``,
   ``bucket_reduce_scatters_fx="all"``);
 - ours: ``data_parallel`` with ``reduce_dtype`` bf16, compiled whole, with and without
-  ``passes.install()``, for ``reshard_after_forward`` True and False;
+  ``passes.install()``, for ``reshard_after_forward`` True and False; and ``data_parallel``
+  keeping its gathered parameters with int8 on the wire both ways (``gather_dtype=torch.int8``
+  and ``int8_compress_hook`` with error feedback, no ``reduce_dtype``) with the passes, whose
+  peer is the bf16 ``data_parallel keep + passes`` row;
 - compute alone: the unsharded model compiled, no communication.
 
 Steps (forward + backward) are interleaved, one of each configuration in turn, the order rotated
@@ -56,8 +59,9 @@ import results
 from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms
 from train_ddp import TinyTransformer, synchronize
 
+import compiled_hooks as ch
 import passes
-from compiled_hooks.fsdp import data_parallel
+from compiled_hooks.fsdp import data_parallel, register_comm_hook
 from passes._graph import ALL_TO_ALL_CHUNK_BYTES
 from passes.testing import gathered_bytes_alive, partitioned_graphs
 
@@ -148,11 +152,21 @@ class Config:
             self.run = torch.compile(net.to(param_dtype or torch.float32), fullgraph=True)
             self.x = self._cast(param_dtype)
         else:
-            reshard = "reshard" in name
+            reshard, int8 = "reshard" in name, "int8" in name
             self.installed = "passes" in name
+            if int8:  # the hook compresses by itself
+                mp = MixedPrecisionPolicy(param_dtype=param_dtype)
             self.net = data_parallel(
-                net, mesh, mp_policy=mp, reshard_after_forward=reshard, blocks=blocks
+                net,
+                mesh,
+                mp_policy=mp,
+                reshard_after_forward=reshard,
+                blocks=blocks,
+                gather_dtype=torch.int8 if int8 else None,
             )
+            if int8:
+                state = ch.QuantizedState(mesh.get_group())
+                register_comm_hook(self.net, state, ch.int8_compress_hook)
             self.run = torch.compile(self.net, fullgraph=True)
 
     def _cast(self, dtype) -> torch.Tensor:
@@ -185,7 +199,7 @@ class Config:
         )
 
 
-_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
+_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "signed char": 1}
 # collective -> which input holds its full size, and whether that input is one rank's part of it
 _FULL_SIZE = {
     "_c10d_functional::all_gather_into_tensor": (0, True),
@@ -223,7 +237,12 @@ def record_collectives(step, world: int) -> list[tuple[str, list[int], str, int]
     return calls
 
 
-_DTYPE = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16}
+_DTYPE = {
+    "float": torch.float32,
+    "c10::BFloat16": torch.bfloat16,
+    "c10::Half": torch.float16,
+    "signed char": torch.int8,
+}
 
 
 def replay_ms(calls: list[tuple[str, list[int], str, int]], world: int, reps: int = 5) -> float:
@@ -282,11 +301,13 @@ def under_traffic_ms(step, traffic, world: int, seconds: float, rate: float | No
 
 PEERS_KEEP = ["SimpleFSDP-style + Inductor bucketing"]
 PEERS_RESHARD = ["FSDP2 eager", "FSDP2 compiled per block"]
+INT8 = "data_parallel keep + int8 + passes"
 OURS = [
     "data_parallel keep",
     "data_parallel keep + passes",
     "data_parallel reshard",
     "data_parallel reshard + passes",
+    INT8,
 ]
 CONFIGS = PEERS_RESHARD + PEERS_KEEP + OURS + ["compute alone (compiled, unsharded)"]
 TRAFFIC_ROW = "compute alone, gloo traffic at the link rate alongside"
@@ -331,6 +352,8 @@ def run_model(
     rows = []
     for c in configs:
         peer = best_keep if "keep" in c.name or c.name.startswith("SimpleFSDP") else "FSDP2 eager"
+        if c.name == INT8:
+            peer = "data_parallel keep + passes"
         wire = c.mb * 2**20 * (world - 1) / world / rate * 1e3 if rate else 0.0
         bound = max(wire, compute)
         rows.append(

@@ -234,16 +234,18 @@ def block_of(node: Node) -> str | None:
 
 
 def input_cone(collective: Node) -> list[Node]:
-    """The nodes that feed only ``collective`` (through single-user pure call_functions), which
-    can move with it; unordered."""
-    cone, frontier = [], list(collective.all_input_nodes)
-    while frontier:
-        node = frontier.pop()
-        if node.op != "call_function" or len(node.users) != 1 or node.is_impure():
-            continue
-        cone.append(node)
-        frontier.extend(node.all_input_nodes)
-    return cone
+    """The nodes that feed only ``collective``: pure call_functions all of whose users are
+    ``collective`` or in the cone (a quantization's scales feed both its values and its packed
+    bytes), which can move with it; unordered."""
+    pure = ancestors([collective], lambda n: n.op == "call_function" and not n.is_impure()) - {
+        collective
+    }
+    order = {n: i for i, n in enumerate(collective.graph.nodes) if n in pure}
+    cone = {collective}
+    for node in sorted(pure, key=order.__getitem__, reverse=True):  # users before their inputs
+        if node.users and all(u in cone for u in node.users):
+            cone.add(node)
+    return list(cone - {collective})
 
 
 def ancestors(starts: list[Node], keep: Callable[[Node], bool] = lambda n: True) -> set[Node]:

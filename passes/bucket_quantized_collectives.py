@@ -3,8 +3,10 @@
 ``int8_compress_hook`` (:mod:`compiled_hooks.quantized`) sends each gradient's quantized rows
 with one ``all_to_all`` and, in its all-reduce form, gathers the re-quantized shard with one
 ``all_gather``, of int8 tensors ``[rows, W]`` (a row's scales' bytes, then its values). In a
-compiled DDP backward that is two collectives per parameter. This pass merges the collectives
-of one kind and one group into buckets of at most ``quantized_bucket_cap_mb``: the members'
+compiled DDP backward that is two collectives per parameter; ``data_parallel``'s int8 weight
+gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pass merges the
+collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
+graph) into buckets of at most ``quantized_bucket_cap_mb``: the members'
 rows side by side (a ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``), one
 collective, and each member reads its columns back::
 
@@ -45,6 +47,7 @@ from ._graph import (
     WAIT,
     ancestors,
     aten,
+    block_of,
     check_graph,
     dependents,
     is_op,
@@ -88,7 +91,7 @@ def _even(splits: object, rows: int) -> bool:
 
 
 def _key(n: Node) -> tuple:
-    return (n.target, *(tuple(a) if isinstance(a, list) else a for a in n.args[1:]))
+    return (n.target, block_of(n), *(tuple(a) if isinstance(a, list) else a for a in n.args[1:]))
 
 
 def _buckets(graph: Graph, cap_bytes: float) -> list[list[Node]]:
@@ -136,6 +139,7 @@ def _merge(graph: Graph, bucket: list[Node]) -> bool:
         cat = new_node(graph, aten.cat.default, (inputs, 1), name="quantized_bucket_cat")
     with graph.inserting_after(cat):
         coll = new_node(graph, target, (cat, *bucket[0].args[1:]), name="quantized_bucket")
+        coll.meta["custom"] = dict(bucket[0].meta.get("custom", {}))  # the block, if any
     with graph.inserting_before(first_use):
         wait = new_node(graph, WAIT, (coll,), name="quantized_bucket_wait")
         start = 0

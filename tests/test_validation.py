@@ -280,6 +280,20 @@ CASES = {
         ValueError,
         "already wrapped by data_parallel",
     ),
+    "data_parallel_gather_dtype_not_int8": (
+        lambda g: ch.fsdp.data_parallel(
+            torch.nn.Linear(2, 2), _mesh(), gather_dtype=torch.bfloat16
+        ),
+        ValueError,
+        "gather_dtype must be None .* or torch.int8, got torch.bfloat16",
+    ),
+    "data_parallel_int8_gathers_on_replicas": (
+        lambda g: ch.fsdp.data_parallel(
+            torch.nn.Linear(2, 2), _mesh(), mode="replicate", gather_dtype=torch.int8
+        ),
+        ValueError,
+        "mode 'replicate' gathers nothing",
+    ),
     "data_parallel_params_on_two_devices": (
         lambda g: ch.fsdp.data_parallel(_two_devices(), _mesh()),
         ValueError,

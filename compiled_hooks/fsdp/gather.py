@@ -11,9 +11,18 @@ padded to that row count so every collective has the same size on every rank::
                shard_grad = out[:local_rows].to(shard.dtype)
 
 and for ``"replicate"``: ``full = shard.to(param_dtype)`` forward, ``hook(state, grad)``
-(an all-reduce) backward. With ``reshard=True`` the gather runs under a selective activation
-checkpoint whose policy recomputes every op in it, so under ``torch.compile`` the partitioner
-saves the shard, not the gathered parameter, and the backward graph gathers again.
+(an all-reduce) backward. With int8 gathers (``Reduction.gather_dtype``, ZeRO++'s qwZ) the
+forward sends the padded shard quantized instead, block-wise from its own (master) precision,
+and every rank dequantizes the same gathered bytes::
+
+    forward:   q, scales = quantize(pad(shard) as one row, INT8_BLOCK_SIZE)
+               full = dequantize(all_gather(pack(q, scales))).to(param_dtype)[:R]
+
+The gradient goes to the shard as if the gather were exact (a straight-through estimator).
+
+With ``reshard=True`` the gather runs under a selective activation checkpoint whose policy
+recomputes every op in it, so under ``torch.compile`` the partitioner saves the shard, not the
+gathered parameter, and the backward graph gathers again (int8 again, with int8 gathers).
 """
 
 from __future__ import annotations
@@ -36,13 +45,17 @@ from torch.utils.checkpoint import (
 )
 
 from .. import compat
+from ..int8_collectives import all_gather_quantized
+from ..quantize import quantize
 from ..state import LowPrecisionState
 
-__all__ = ["Layout", "Reduction", "gather", "BLOCK"]
+__all__ = ["Layout", "Reduction", "gather", "BLOCK", "INT8_BLOCK_SIZE"]
 
 # The key under which every node of a gather and of its reduction carries its block's name
 # (``node.meta["custom"]``), for the passes that bucket and schedule per block.
 BLOCK = "data_parallel_block"
+# Elements per fp32 scale of an int8 weight gather: 1.6% of the payload in scales.
+INT8_BLOCK_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +87,8 @@ class Reduction:
     replica_state: Any = None
     # the hooks take param= (a parameter's fully qualified name): they keep state per parameter
     per_parameter: bool = False
+    # torch.int8: the forward's gathers send int8 blocks and scales (None: param_dtype)
+    gather_dtype: torch.dtype | None = None
 
     def shard_size(self) -> int:
         return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
@@ -100,7 +115,14 @@ class _GatherReduce(torch.autograd.Function):
         ctx: Any, shard: torch.Tensor, layout: Layout, reduction: Reduction
     ) -> torch.Tensor:
         ctx.layout, ctx.reduction, ctx.dtype = layout, reduction, shard.dtype
-        x = shard if reduction.param_dtype is None else shard.to(reduction.param_dtype)
+        dtype = reduction.param_dtype or shard.dtype
+        if reduction.gather_dtype == torch.int8 and reduction.shard_group is not None:
+            padded = _pad_rows(shard, layout.rows)
+            q, scales = quantize(padded.reshape(1, -1), INT8_BLOCK_SIZE)
+            # dequantizing reads the gathered bytes, so eager waits here
+            full = all_gather_quantized(q, scales, padded.numel(), reduction.shard_group)
+            return full.to(dtype).view(-1, *layout.shape[1:])[: layout.shape[0]]
+        x = shard if dtype == shard.dtype else shard.to(dtype)
         if reduction.shard_group is None:
             return x.view_as(x) if x is shard else x
         full = compat.all_gather_single(_pad_rows(x, layout.rows), 0, reduction.shard_group)

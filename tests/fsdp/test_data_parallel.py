@@ -17,6 +17,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import compiled_hooks as ch
 from compiled_hooks.fsdp import ALREADY, ROOT_ONLY, data_parallel, get_comm_hook, register_comm_hook
+from compiled_hooks.fsdp.gather import INT8_BLOCK_SIZE
+from compiled_hooks.quantize import dequantize, quantize
 from passes.testing import fake_process_group, gathered_bytes_alive
 from tests.fsdp.test_fsdp import _raises
 from tests.graphs import data_parallel_graphs
@@ -59,9 +61,10 @@ def make_mesh(mode, world_size):
     return init_device_mesh("cpu", (world_size,))
 
 
-def fsdp2(mesh, mode, reshard, mp):
-    """The same model under FSDP2: each block, then the root (which holds the tied weight)."""
-    net, mp = Net(), mp or MixedPrecisionPolicy()
+def fsdp2(mesh, mode, reshard, mp, net=None):
+    """The same model (or ``net``) under FSDP2: each block, then the root (which holds the tied
+    weight)."""
+    net, mp = net or Net(), mp or MixedPrecisionPolicy()
     wrap = (
         (lambda m: replicate(m, mesh=mesh, mp_policy=mp))
         if mode == "replicate"
@@ -260,6 +263,62 @@ def test_comm_hooks(world_size, mode):
         )
 
 
+# --- int8 weight gathers ----------------------------------------------------------------------
+
+
+def int8_gathered(world_size):
+    """``Net()`` with the weights an int8 gather gives: each padded shard quantized as one row."""
+    net = Net()
+    with torch.no_grad():
+        for p in net.parameters():
+            rows = p.reshape(p.shape[0], -1)
+            padded = torch.nn.functional.pad(rows, (0, 0, 0, -rows.shape[0] % world_size))
+            shards = [s.reshape(1, -1) for s in padded.chunk(world_size)]
+            values = [dequantize(*quantize(s, INT8_BLOCK_SIZE), s.numel()) for s in shards]
+            p.copy_(torch.cat(values).reshape(-1, *p.shape[1:])[: p.shape[0]])
+    return net
+
+
+def int8_gathers_worker(rank, world_size, compiled):
+    mesh = make_mesh("fully_shard", world_size)
+    out = {}
+    for reshard, mp in [(True, None), (False, None), (True, BF16), (False, BF16)]:
+        torch._dynamo.reset()
+        ref = fsdp2(mesh, "fully_shard", reshard, mp, int8_gathered(world_size))
+        model = data_parallel(
+            Net(), mesh, reshard_after_forward=reshard, mp_policy=mp, gather_dtype=torch.int8
+        )
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        out[reshard, mp is None] = train_both(rank, ref, model, run, steps=1)[0]
+    # what a block's forward reads: the gathered weight
+    model = data_parallel(Net(), mesh, gather_dtype=torch.int8)
+    seen = []
+    model.blocks[0].register_forward_hook(lambda m, args, y: seen.append(m.up.weight.detach()))
+    model(torch.zeros(1, 1, dtype=torch.long))
+    out["seen"] = (seen[0], model.blocks[0].up.weight.full_tensor())
+    return out
+
+
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
+def test_int8_gathers(compiled):
+    """gather_dtype=torch.int8, fp32 and bf16 parameters, reshard and keep: one step's gradients
+    are FSDP2's at the weights the int8 gather gives (the gradient reaches the shard as is);
+    every rank reads the same gathered weight, bit for bit, each shard's values within
+    ``absmax / 254`` of the shard's."""
+    ranks = run_ranks(int8_gathers_worker, 2, compiled, timeout=600)
+    for rank, out in enumerate(ranks):
+        for reshard in (True, False):
+            assert out[reshard, True] <= 1e-6, (rank, reshard, out[reshard, True])
+            assert out[reshard, False] <= 1e-2, (rank, reshard, out[reshard, False])
+    (seen, weight), (seen1, _) = ranks[0]["seen"], ranks[1]["seen"]
+    assert torch.equal(seen, seen1)
+    for got, want in zip(seen.chunk(2), weight.chunk(2)):  # one block per shard here
+        bound = want.abs().max() / 254 * (1 + 1e-5)
+        assert 0 < (got - want).abs().max() <= bound, ((got - want).abs().max(), bound)
+
+
 # --- checkpoint and grad scaler ---------------------------------------------------------------
 
 
@@ -370,6 +429,19 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
         assert len(_ops(bw, GATHER)) == 0
         # the matmuls' weights
         assert fw_alive[-1] >= root + 2 * (padded["up.weight"] + padded["down.weight"])
+
+
+def test_int8_gathers_in_the_graph():
+    """With gather_dtype=torch.int8 every gather of the traced step carries int8, the backward's
+    re-gathers (reshard) too; the gradients' reduce-scatters are unchanged."""
+    fake_process_group(4)
+    model = data_parallel(
+        Net(), init_device_mesh("cpu", (4,)), mp_policy=BF16, gather_dtype=torch.int8
+    )
+    (_, fw), (_, bw) = data_parallel_graphs(model, torch.randint(0, VOCAB, (4, 6)))
+    gathers = _ops(fw, GATHER) + _ops(bw, GATHER)
+    assert len(_ops(fw, GATHER)) == len(_ops(bw, REDUCE_SCATTER)) == 9 and len(gathers) > 9
+    assert all(n.args[0].meta["val"].dtype == torch.int8 for n in gathers)
 
 
 # --- Inductor with the passes: one collective per block, in the generated code ---------------

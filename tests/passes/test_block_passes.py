@@ -342,6 +342,46 @@ def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
     assert counts == {"forward": [3, 0], "backward": [3, 3]}
 
 
+def test_data_parallel_int8_graphs_one_collective_per_block_issued_ahead():
+    """int8 weight gathers and the int8 hook on data_parallel's partitioned graphs (4 fake
+    ranks): the quantize moves with its gather into the block's bucket (its scales feed two
+    nodes of the cone), so each block's one int8 all-gather goes out while the block before it
+    computes; each block's gradients go out as one int8 all-to-all; the same values."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compiled_hooks as ch
+    import passes
+    from compiled_hooks.fsdp import data_parallel, register_comm_hook
+    from passes.testing import fake_process_group
+    from tests.fsdp.test_data_parallel import BF16, VOCAB, Net
+    from tests.graphs import data_parallel_graphs
+
+    fake_process_group(4)
+    mesh = init_device_mesh("cpu", (4,))
+    model = data_parallel(Net(), mesh, mp_policy=BF16, gather_dtype=torch.int8)
+    register_comm_hook(model, ch.QuantizedState(mesh.get_group(0)), ch.int8_compress_hook)
+    counts = {}
+    for kind, gm in data_parallel_graphs(model, torch.randint(0, VOCAB, (4, 6))):
+        before = copy_graph(gm.graph)
+        for graph_pass in (
+            bucket_block_all_gathers,
+            passes.bucket_quantized_collectives,
+            schedule_collectives,
+            prefetch_block_all_gathers,
+        ):
+            graph_pass(gm.graph)
+        gm.graph.lint()
+        assert check_rewrite(kind, before, gm.graph)
+        nodes = list(gm.graph.nodes)
+        gathers = [n for n in nodes if n.target is ALL_GATHER]
+        assert all(n.args[0].meta["val"].dtype == torch.int8 for n in gathers)
+        waits = sorted((next(iter(n.users)) for n in gathers), key=nodes.index)
+        for gather, wait in zip(sorted(gathers, key=lambda n: nodes.index(*n.users))[1:], waits):
+            assert nodes.index(gather) < nodes.index(wait), kind  # out a block ahead
+        counts[kind] = [len(gathers), sum(n.target is passes_ALL_TO_ALL for n in nodes)]
+    assert counts == {"forward": [3, 0], "backward": [3, 3]}
+
+
 class TestReduceScatterAsAllToAll(PassTestCase):
     def graph(self, op="avg"):
         _ = trace(lambda: None, world_size=2)

@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 
 import compiled_hooks as ch
+from compiled_hooks.fsdp.gather import BLOCK
 from passes import bucket_quantized_collectives
-from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT
+from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT, block_of
 from passes.testing import fake_process_group, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
@@ -119,3 +120,23 @@ class TestBucketQuantizedCollectives(PassTestCase):
         text = graph_str(gm)
         self.assertFalse(bucket_quantized_collectives(gm.graph))
         self.assertEqual(graph_str(gm), text)
+
+    def test_one_bucket_per_data_parallel_block(self):
+        """data_parallel's int8 collectives are bucketed within their block, never across."""
+        fake_process_group(2)
+        state = ch.QuantizedState(dist.group.WORLD, block_size=8, error_feedback=False)
+
+        def fn(*grads):
+            for i, grad in enumerate(grads):
+                with torch.fx.traceback.annotate({BLOCK: f"layers.{i // 2}"}):
+                    ch.int8_compress_hook(state, grad)
+
+        gm = trace(fn, *[torch.randn(16) for _ in range(4)], world_size=None)
+        before = copy_graph(gm.graph)
+        self.assertTrue(bucket_quantized_collectives(gm.graph))
+        kinds = [(n.target, block_of(n)) for n in collectives(gm)]
+        self.assertEqual(
+            sorted(kinds, key=str),
+            sorted([(t, f"layers.{b}") for t in (ALL_TO_ALL, ALL_GATHER) for b in (0, 1)], key=str),
+        )
+        self.assertTrue(check_rewrite("test", before, gm.graph))
