@@ -317,6 +317,9 @@ def run_model(
     rank: int, world: int, model: str, param_dtype, steps: int, link: str | None, traffic
 ) -> dict | None:
     torch._dynamo.reset()
+    # data_parallel's root forward is one code object, compiled per configuration and again
+    # for its peak-memory graphs
+    torch._dynamo.config.recompile_limit = 2 * len(CONFIGS)
     mesh = init_device_mesh("cpu", (world,))
     configs = [Config(n, model, i, mesh, param_dtype) for i, n in enumerate(CONFIGS)]
     for c in configs:

@@ -51,7 +51,11 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     ``[rows, 4 * blocks + blocks * block_size]``, each scale's 4 bytes (least significant
     first) then the values."""
     rows = q.shape[0]
-    return torch.cat([_scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)], dim=1)
+    head, body = _scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)
+    # The two parts zero-padded to the whole row and added (their supports are disjoint), not a
+    # cat: Inductor computes pads and adds inside the quantize's kernel, while on CPU it copies
+    # a cat of int8 tensors with a separate aten.cat.
+    return F.pad(head, (0, body.shape[1])) + F.pad(body, (head.shape[1], 0))
 
 
 def unpack(packed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

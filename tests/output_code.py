@@ -8,13 +8,21 @@ fill, through aliases of it where each writes one member::
     buf20 = reinterpret_tensor(buf27, (32, ), (1, ), 1024)  # alias
     cpp_fused_1(buf0, buf3, buf20)                 # Triton: triton_poi_fused_1.run(..., buf20, ...)
     torch.ops._c10d_functional.all_reduce_.default(buf27, 'sum', '0')
+
+Inductor lowers a cat of int8 tensors on CPU to ``aten.cat`` itself (it generates no int8 cat
+kernel there), so an int8 bucket is first written in pieces by kernels and then copied::
+
+    cpp_fused_4(..., buf162, buf163)           # every member's packed rows
+    buf174 = torch.ops.aten.cat.default([buf162, buf163], 1)
+    buf175 = buf174
+    torch.ops._c10d_functional.all_to_all_single.default(buf175, [1, 1], [1, 1], '0')
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["collective_calls", "bucket_writers", "casts_to"]
+__all__ = ["collective_calls", "bucket_writers", "casts_to", "cat_inputs", "quantizes"]
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''(.*?)'''", re.M | re.S)
 _ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+),.*# alias$", re.M)
@@ -23,6 +31,8 @@ _CASTS = {
     "bfloat16": (r"convert<at::BFloat16\b", r"\.to\(tl\.bfloat16\)"),
     "float16": (r"convert<at::Half\b", r"\.to\(tl\.float16\)"),
 }
+# Rounding to the nearest integer, as a quantization does: C++ (scalar, vectorized) and Triton.
+_ROUND = (r"std::nearbyint\(", r"\.round\(\)", r"libdevice\.(nearbyint|rint|round)\(")
 # A Triton kernel computes in fp32 and casts in its store: its signature's pointer types.
 _TRITON_POINTER = re.compile(r"'((?:in_out|in|out)_ptr\d+)': '\*(\w+)'")
 _TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16"}
@@ -70,3 +80,19 @@ def casts_to(source: str, dtype: str) -> bool:
     reads = {t for name, t in pointers if not name.startswith("out_")}
     writes = {t for name, t in pointers if not name.startswith("in_ptr")}
     return "fp32" in reads and _TRITON_TYPE[dtype] in writes
+
+
+def cat_inputs(code: str, buffer: str) -> list[str]:
+    """The buffers an ``aten.cat`` call copied into ``buffer`` (through plain renames,
+    ``buf175 = buf174``); ``[buffer]`` when no cat made it."""
+    body = _call_body(code)
+    renames = dict(re.findall(r"^\s*(buf\d+) = (buf\d+)\s*$", body, re.M))
+    while buffer in renames:
+        buffer = renames[buffer]
+    m = re.search(rf"^\s*{buffer} = torch\.ops\.aten\.cat\.default\(\[(.*?)\]", body, re.M)
+    return re.findall(r"\bbuf\d+\b", m.group(1)) if m else [buffer]
+
+
+def quantizes(source: str) -> bool:
+    """Whether a kernel's ``source`` rounds values to integers (a quantization)."""
+    return any(re.search(p, source) for p in _ROUND)

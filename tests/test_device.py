@@ -9,6 +9,10 @@ ranks. The generated code is C++ on CPU and Triton on CUDA; the same checks read
 - compiled DDP + ``bf16_compress_hook`` + the passes sends the compressed gradients as one
   bucketed all_reduce, and every kernel that writes the bucket casts to bf16 itself (no
   separate cast kernels), with the gradients of eager fp32 DDP within bf16's precision;
+- compiled DDP + ``int8_compress_hook`` + the passes sends the quantized gradients as one
+  bucketed all-to-all, whose copy-in kernels quantize (on CPU one kernel packs every member,
+  then ``aten.cat`` copies: Inductor has no int8 cat kernel there), with the gradients of eager
+  fp32 DDP within two int8 roundings;
 - ``data_parallel`` + the passes gathers each block with one collective in forward and
   reduces it with one in backward, with the values of the same model run eagerly.
 """
@@ -161,6 +165,58 @@ def test_compiled_ddp_sends_one_bucket_cast_in_its_copy_in_kernels(backend, worl
             torch.testing.assert_close(
                 g, ref, **TOL[torch.bfloat16], msg=f"rank {rank} parameter {i}"
             )
+
+
+def ddp_int8_worker(rank: int, world_size: int) -> dict:
+    from torch._inductor.utils import run_and_get_code
+
+    import passes
+
+    torch._inductor.config.fx_graph_cache = False  # the passes run on every compile
+    device = _device()
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(device)
+    reference = nn.parallel.DistributedDataParallel(_mlp(device))
+    reference(x).square().mean().backward()
+    net = _mlp(device)
+    _, model = ch.compile_ddp(net, ch.QuantizedState(dist.group.WORLD), ch.int8_compress_hook)
+
+    def step() -> None:
+        with ch.compiled_autograd():
+            model(x).square().mean().backward()
+
+    with passes.install():
+        _, codes = run_and_get_code(step)
+    backward = next(c for c in codes if output_code.collective_calls(c, "all_to_all_single"))
+    exchanges = output_code.collective_calls(backward, "all_to_all_single")
+    kernels = output_code.kernels(backward)
+    writers = {
+        w
+        for piece in output_code.cat_inputs(backward, exchanges[0])
+        for w in output_code.bucket_writers(backward, piece)
+    }
+    return {
+        # gloo sends the all-gather as an all-to-all too
+        "collectives": len(exchanges) + len(output_code.collective_calls(backward, "all_gather")),
+        "writers": sorted(writers),
+        "quantizing": sorted(w for w in writers if output_code.quantizes(kernels[w])),
+        "grads": [p.grad.cpu() for p in net.parameters()],
+        "reference": [p.grad.cpu() for p in reference.parameters()],
+    }
+
+
+@pytest.mark.parametrize("backend,world_size", RANKS)
+def test_compiled_ddp_int8_quantizes_in_its_copy_in_kernels(backend, world_size):
+    for rank, out in enumerate(
+        run_ranks(ddp_int8_worker, world_size, backend=backend, timeout=600)
+    ):
+        assert out["collectives"] == 2, out  # one exchange and one gather for the bucket
+        assert out["writers"] and out["quantizing"] == out["writers"], out
+        if DEVICE == "cpu":
+            assert len(out["writers"]) == 1, out  # one kernel packs the whole bucket
+        for i, (g, ref) in enumerate(zip(out["grads"], out["reference"])):
+            # two int8 roundings (the exchange, the gather), each within absmax / 254
+            atol = 2 * ref.abs().max().item() / 127
+            torch.testing.assert_close(g, ref, rtol=0, atol=atol, msg=f"rank {rank} param {i}")
 
 
 class _Block(nn.Module):
