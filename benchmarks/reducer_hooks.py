@@ -13,6 +13,8 @@ project (``ddp_comm_hook(hook)``) is timed next to torch's equivalent, its peer:
 - ``allreduce_hook`` and ``fp16_compress_hook`` against torch's (``bucket_cap_mb=4``);
 - ``bf16_compress_hook`` against this project's ``fp16_compress_hook`` (torch's bf16 hook
   refuses anything but CUDA + NCCL);
+- ``int8_compress_hook`` (error feedback on, through its async form ``reduce_async``) against
+  this project's ``bf16_compress_hook``: torch has no int8 hook;
 - ``powerSGD_hook`` at rank 1 and 4 against torch's (``start_powerSGD_iter=2``), with the whole
   model in one bucket: with several buckets torch's hook issues P and Q all_reduces from future
   callbacks, on gloo's threads, in an order that differs between the ranks, and gloo aborts the
@@ -63,6 +65,7 @@ ROWS = [
     ("fp16", "torch", 4, None),
     ("fp16", "ours", 4, ("fp16", "torch")),
     ("bf16", "ours", 4, ("fp16", "ours")),
+    ("int8", "ours", 4, ("bf16", "ours")),
     ("powerSGD r1", "torch", 64, None),
     ("powerSGD r1", "ours", 64, ("powerSGD r1", "torch")),
     ("powerSGD r4", "torch", 64, None),
@@ -126,6 +129,8 @@ def state_and_hook(hook: str, whose: str):
         }[hook]
     if hook == "allreduce":
         return ch.DefaultState(group), ch.ddp_comm_hook(ch.allreduce_hook)
+    if hook == "int8":
+        return ch.QuantizedState(group), ch.ddp_comm_hook(ch.int8_compress_hook)
     return ch.LowPrecisionState(group), ch.ddp_comm_hook(
         {"fp16": ch.fp16_compress_hook, "bf16": ch.bf16_compress_hook}[hook]
     )
@@ -162,7 +167,7 @@ def hook_config(
         model,
         index,
         cap,
-        name_of(setup, *peer, 4 if peer[0] in ("allreduce", "fp16") else 64) if peer else None,
+        name_of(setup, *peer, 4 if not peer[0].startswith("powerSGD") else 64) if peer else None,
     )
     state, ddp_hook = state_and_hook(hook, whose)
     c.ddp.register_comm_hook(state, in_profile(ddp_hook))
