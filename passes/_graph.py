@@ -237,13 +237,10 @@ def input_cone(collective: Node) -> list[Node]:
     """The nodes that feed only ``collective``: pure call_functions all of whose users are
     ``collective`` or in the cone (a quantization's scales feed both its values and its packed
     bytes), which can move with it; unordered."""
-    pure = ancestors([collective], lambda n: n.op == "call_function" and not n.is_impure()) - {
-        collective
-    }
-    order = {n: i for i, n in enumerate(collective.graph.nodes) if n in pure}
+    pure = ancestors([collective], lambda n: n.op == "call_function" and not n.is_impure())
     cone = {collective}
-    for node in sorted(pure, key=order.__getitem__, reverse=True):  # users before their inputs
-        if node.users and all(u in cone for u in node.users):
+    for node in reversed(collective.graph.nodes):  # a node's users before the node
+        if node in pure and node.users and all(u in cone for u in node.users):
             cone.add(node)
     return list(cone - {collective})
 

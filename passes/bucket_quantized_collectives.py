@@ -6,9 +6,9 @@ with one ``all_to_all`` and, in its all-reduce form, gathers the re-quantized sh
 compiled DDP backward that is two collectives per parameter; ``data_parallel``'s int8 weight
 gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pass merges the
 collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
-graph) into buckets of at most ``quantized_bucket_cap_mb``: the members'
-rows side by side (a ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``), one
-collective, and each member reads its columns back::
+graph) into buckets of at most ``quantized_bucket_cap_mb``: the members' rows side by side (a
+``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``), one collective, and each
+member reads its columns back::
 
     before                                      after
     a1 = all_to_all(p1, None, None, G)          ... p1 and p2 computed ...

@@ -116,7 +116,7 @@ class _GatherReduce(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.layout, ctx.reduction, ctx.dtype = layout, reduction, shard.dtype
         dtype = reduction.param_dtype or shard.dtype
-        if reduction.gather_dtype == torch.int8 and reduction.shard_group is not None:
+        if reduction.gather_dtype == torch.int8:  # data_parallel refuses it for replicate
             padded = _pad_rows(shard, layout.rows)
             q, scales = quantize(padded.reshape(1, -1), INT8_BLOCK_SIZE)
             # dequantizing reads the gathered bytes, so eager waits here
