@@ -124,18 +124,20 @@ def _mlp(device: torch.device) -> nn.Module:
     return nn.Sequential(*[nn.Linear(32, 32) for _ in range(LAYERS)]).to(device)
 
 
-def ddp_worker(rank: int, world_size: int) -> dict:
+def _compiled_ddp_step(state, hook, collective: str) -> tuple[str, list, list]:
+    """One step of the MLP in compiled DDP with ``hook`` and the passes: the generated code of
+    the graph that issues ``collective``, this rank's gradients, and eager fp32 DDP's."""
     from torch._inductor.utils import run_and_get_code
 
     import passes
 
     torch._inductor.config.fx_graph_cache = False  # the passes run on every compile
     device = _device()
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(device)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     reference = nn.parallel.DistributedDataParallel(_mlp(device))
     reference(x).square().mean().backward()
     net = _mlp(device)
-    _, model = ch.compile_ddp(net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
+    _, model = ch.compile_ddp(net, state, hook)
 
     def step() -> None:
         with ch.compiled_autograd():
@@ -143,7 +145,14 @@ def ddp_worker(rank: int, world_size: int) -> dict:
 
     with passes.install():
         _, codes = run_and_get_code(step)
-    backward = next(c for c in codes if output_code.collective_calls(c, "all_reduce"))
+    code = next(c for c in codes if output_code.collective_calls(c, collective))
+    grads = [p.grad.cpu() for p in net.parameters()]
+    return code, grads, [p.grad.cpu() for p in reference.parameters()]
+
+
+def ddp_worker(rank: int, world_size: int) -> dict:
+    state = ch.LowPrecisionState(dist.group.WORLD)
+    backward, grads, reference = _compiled_ddp_step(state, ch.bf16_compress_hook, "all_reduce")
     buckets = output_code.collective_calls(backward, "all_reduce")
     kernels = output_code.kernels(backward)
     writers = output_code.bucket_writers(backward, buckets[0])
@@ -151,8 +160,8 @@ def ddp_worker(rank: int, world_size: int) -> dict:
         "collectives": len(buckets),
         "writers": writers,
         "casting": [w for w in writers if output_code.casts_to(kernels[w], "bfloat16")],
-        "grads": [p.grad.cpu() for p in net.parameters()],
-        "reference": [p.grad.cpu() for p in reference.parameters()],
+        "grads": grads,
+        "reference": reference,
     }
 
 
@@ -168,25 +177,10 @@ def test_compiled_ddp_sends_one_bucket_cast_in_its_copy_in_kernels(backend, worl
 
 
 def ddp_int8_worker(rank: int, world_size: int) -> dict:
-    from torch._inductor.utils import run_and_get_code
-
-    import passes
-
-    torch._inductor.config.fx_graph_cache = False  # the passes run on every compile
-    device = _device()
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(device)
-    reference = nn.parallel.DistributedDataParallel(_mlp(device))
-    reference(x).square().mean().backward()
-    net = _mlp(device)
-    _, model = ch.compile_ddp(net, ch.QuantizedState(dist.group.WORLD), ch.int8_compress_hook)
-
-    def step() -> None:
-        with ch.compiled_autograd():
-            model(x).square().mean().backward()
-
-    with passes.install():
-        _, codes = run_and_get_code(step)
-    backward = next(c for c in codes if output_code.collective_calls(c, "all_to_all_single"))
+    state = ch.QuantizedState(dist.group.WORLD)
+    backward, grads, reference = _compiled_ddp_step(
+        state, ch.int8_compress_hook, "all_to_all_single"
+    )
     exchanges = output_code.collective_calls(backward, "all_to_all_single")
     kernels = output_code.kernels(backward)
     writers = {
@@ -199,8 +193,8 @@ def ddp_int8_worker(rank: int, world_size: int) -> dict:
         "collectives": len(exchanges) + len(output_code.collective_calls(backward, "all_gather")),
         "writers": sorted(writers),
         "quantizing": sorted(w for w in writers if output_code.quantizes(kernels[w])),
-        "grads": [p.grad.cpu() for p in net.parameters()],
-        "reference": [p.grad.cpu() for p in reference.parameters()],
+        "grads": grads,
+        "reference": reference,
     }
 
 

@@ -431,19 +431,6 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
         assert fw_alive[-1] >= root + 2 * (padded["up.weight"] + padded["down.weight"])
 
 
-def test_int8_gathers_in_the_graph():
-    """With gather_dtype=torch.int8 every gather of the traced step carries int8, the backward's
-    re-gathers (reshard) too; the gradients' reduce-scatters are unchanged."""
-    fake_process_group(4)
-    model = data_parallel(
-        Net(), init_device_mesh("cpu", (4,)), mp_policy=BF16, gather_dtype=torch.int8
-    )
-    (_, fw), (_, bw) = data_parallel_graphs(model, torch.randint(0, VOCAB, (4, 6)))
-    gathers = _ops(fw, GATHER) + _ops(bw, GATHER)
-    assert len(_ops(fw, GATHER)) == len(_ops(bw, REDUCE_SCATTER)) == 9 and len(gathers) > 9
-    assert all(n.args[0].meta["val"].dtype == torch.int8 for n in gathers)
-
-
 # --- Inductor with the passes: one collective per block, in the generated code ---------------
 
 
