@@ -342,6 +342,7 @@ def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
     assert counts == {"forward": [3, 0], "backward": [3, 3]}
 
 
+@pytest.mark.slow  # a dozen seconds: the verifier on both partitioned graphs
 def test_data_parallel_int8_graphs_one_collective_per_block_issued_ahead():
     """int8 weight gathers and the int8 hook on data_parallel's partitioned graphs (4 fake
     ranks): the quantize moves with its gather into the block's bucket (its scales feed two
