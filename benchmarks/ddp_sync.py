@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
-from launch import add_link_argument, describe_link, launch
+from launch import add_link_argument, describe_link, itemsize, launch
 from train_ddp import TinyTransformer, batch
 
 import compiled_hooks as ch
@@ -172,7 +172,7 @@ class Config:
         self.collectives = len(functional or events) / steps
         if self.wire_bytes is None:
             self.wire_bytes = (
-                sum(_numel(e.input_shapes[0]) * _itemsize(e.input_dtypes[0]) for e in functional)
+                sum(_numel(e.input_shapes[0]) * itemsize(e.input_dtypes[0]) for e in functional)
                 / steps
             )
         # the op, not its kernel
@@ -234,11 +234,6 @@ def _numel(shape: list[int]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _itemsize(dtype: str) -> int:
-    sizes = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "signed char": 1}
-    return sizes.get(dtype, 4)
 
 
 def wire_ms(elements: int, dtype: torch.dtype, reps: int = 10) -> tuple[float, float]:

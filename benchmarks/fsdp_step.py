@@ -59,7 +59,14 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
-from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms
+from launch import (
+    add_link_argument,
+    describe_link,
+    itemsize,
+    launch,
+    link_bytes_per_s,
+    median_ms,
+)
 from train_ddp import TinyTransformer, synchronize
 
 import compiled_hooks as ch
@@ -192,7 +199,7 @@ class Config:
         """Peak gathered-parameter bytes alive in the partitioned forward and backward graphs
         (not for int8 gathers: what they gather is int8, what the blocks use is computed from
         it)."""
-        if not hasattr(self, "net") or self.net._data_parallel.reduction.gather_dtype:
+        if not hasattr(self, "net") or self.name == INT8:
             return
         graphs = partitioned_graphs(
             lambda compile: (
@@ -204,7 +211,6 @@ class Config:
         )
 
 
-_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "signed char": 1}
 # collective -> which input holds its full size, and whether that input is one rank's part of it
 _FULL_SIZE = {
     "_c10d_functional::all_gather_into_tensor": (0, True),
@@ -236,9 +242,7 @@ def record_collectives(step, world: int) -> list[tuple[str, list[int], str, int]
         numel = 1
         for d in shape:
             numel *= d
-        calls.append(
-            (e.name, list(shape), dtype, numel * _ITEMSIZE.get(dtype, 4) * (world if part else 1))
-        )
+        calls.append((e.name, list(shape), dtype, numel * itemsize(dtype) * (world if part else 1)))
     return calls
 
 

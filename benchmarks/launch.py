@@ -55,6 +55,15 @@ def link_bytes_per_s(link: str | None) -> float | None:
     return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)] / 8
 
 
+# bytes per element of the dtypes the profiler names in a collective's recorded inputs
+_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "signed char": 1}
+
+
+def itemsize(profiler_dtype: str) -> int:
+    """Bytes per element of a dtype as ``torch.profiler`` names it (4 for one not listed)."""
+    return _ITEMSIZE.get(profiler_dtype, 4)
+
+
 def median_ms(fn: Callable[[], object], reps: int) -> float:
     """Median wall time of ``fn()`` over ``reps`` runs, each after a barrier, the first run left
     out (warm-up)."""
