@@ -31,7 +31,7 @@ from compiled_hooks import compat
 from compiled_hooks.env import env_flag
 from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
-from ._graph import check_graph
+from ._graph import check_graph, is_collective
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
@@ -83,6 +83,25 @@ def _in_topological_order(graph: Graph) -> bool:
             return False
         seen.add(node)
     return True
+
+
+def keep_collective_inputs_dense(graph: Graph) -> None:
+    """Mark the node every collective reads ``meta["dislike_padding"]``, so that Inductor lays
+    its buffer out dense. Otherwise Inductor's comprehensive padding (on by default on CUDA)
+    pads a row stride above 1024 elements to a multiple of 128 bytes, and a bucket
+    ``[rows, width]`` is written padded and then copied whole to a dense buffer for the
+    collective::
+
+        buf126 = empty_strided_cuda((2, 4680), (4736, 1), torch.int8)   # the members write it
+        buf127 = empty_strided_cuda((2, 4680), (4680, 1), torch.int8)
+        triton_poi_fused_12.run(buf126, buf127, 9360)                    # a copy of the bucket
+        all_to_all_single.default(buf127, ...)
+
+    With the mark the members write ``buf126`` dense and the collective reads it. Inductor
+    carries the mark back to the nodes that produce it through every op but a reduction."""
+    for node in graph.nodes:
+        if is_collective(node) and isinstance(node.args[0], torch.fx.Node):
+            node.args[0].meta["dislike_padding"] = True
 
 
 def summary(before: dict[str, int], after: dict[str, int], nodes: int, us: int) -> str:
@@ -193,6 +212,7 @@ class Pipeline(compat.CustomGraphPass):
             changed |= bool(changed_now)
         if changed and not self.verify:
             graph.lint()
+        keep_collective_inputs_dense(graph)
         if self.check_ranks:
             t0 = time.perf_counter()
             changed |= insert_rank_guard(graph)

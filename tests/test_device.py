@@ -190,7 +190,8 @@ def ddp_int8_worker(rank: int, world_size: int) -> dict:
     }
     return {
         # gloo sends the all-gather as an all-to-all too
-        "collectives": len(exchanges) + len(output_code.collective_calls(backward, "all_gather")),
+        "collectives": len(exchanges)
+        + len(output_code.collective_calls(backward, "all_gather_into_tensor")),
         "writers": sorted(writers),
         "quantizing": sorted(w for w in writers if output_code.quantizes(kernels[w])),
         "grads": grads,
@@ -268,8 +269,10 @@ def data_parallel_worker(rank: int, world_size: int) -> dict:
     return {
         "gathers": len(output_code.collective_calls(forward, gather)),
         "reductions": len(output_code.collective_calls(backward, reduce)),
-        "grads": [p.grad.full_tensor().cpu() for p in model.parameters()],
-        "reference": [p.grad.full_tensor().cpu() for p in eager.parameters()],
+        # each rank's shards: full_tensor() gathers through the functional all-gather, which
+        # faults on gloo with a CUDA tensor (gloo's allgather_coalesced has no device form)
+        "grads": [p.grad.to_local().cpu() for p in model.parameters()],
+        "reference": [p.grad.to_local().cpu() for p in eager.parameters()],
     }
 
 

@@ -1,5 +1,7 @@
 """Pipeline, default_pipeline and install: options, uuid, Inductor registration, FX graph cache."""
 
+import re
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
@@ -306,3 +308,32 @@ def test_torch_logs_shows_the_passes_decisions(tmp_path):
     summary = [line for line in log.splitlines() if "] passes: " in line]
     assert len(summary) == 1, log[-3000:]
     assert "fuse_collective_casts: bucketed 2 collectives into one (x1)" in summary[0], summary
+
+
+def test_a_collective_reads_its_bucket_where_the_kernels_write_it_with_padding_on():
+    """With Inductor's comprehensive padding (CUDA's default; here forced on CPU) a bucket of
+    rows wider than 1024 elements is written with a padded row stride and then copied dense for
+    the collective: the pipeline marks what a collective reads, and the kernel writes it dense."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fcol
+    from torch._inductor.utils import run_and_get_code
+
+    from tests import output_code
+
+    fake_process_group(2)
+
+    def bucket(a, b):  # 2 rows of 1200: a padded stride would be 1216
+        x = torch.cat([a * 2, b * 3], 1)
+        return fcol.wait_tensor(fcol.all_to_all_single(x, None, None, dist.group.WORLD)) + 1
+
+    with (
+        inductor_config.patch(disable_padding_cpu=False, fx_graph_cache=False),
+        install(Pipeline([])),
+    ):
+        _, (code,) = run_and_get_code(
+            torch.compile(bucket), torch.randn(2, 700), torch.randn(2, 500)
+        )
+    (read,) = output_code.collective_calls(code, "all_to_all_single")
+    assert re.search(rf"{read} = empty_strided_cpu\(\(2, 1200\), \(1200, 1\)", code), code
+    assert output_code.bucket_writers(code, read), code  # a kernel writes it, not a copy of it
+    assert len(re.findall(r"empty_strided_cpu\(\(2, 1200\)", code)) == 1, code
