@@ -78,7 +78,12 @@ def _movable(graph: Graph) -> set[Node]:
     def ready(x: Node, collectives: set[Node]) -> bool:
         if x.op in ("placeholder", "get_attr") or not x.all_input_nodes:
             return True
-        return any(x in inputs_of.setdefault(c, ancestors([c])) for c in collectives)
+        for c in collectives:
+            if c not in inputs_of:
+                inputs_of[c] = ancestors([c])
+            if x in inputs_of[c]:
+                return True
+        return False
 
     for node in graph.nodes:
         if _is_wait(node):
