@@ -7,9 +7,11 @@ that window in the graph, for every functional collective (bucketed or not):
 - each ``wait_tensor``, with the pure nodes computed from its result and from values the
   collective itself depended on (what decompresses, scales, reshapes, unpacks, dequantizes,
   sums or slices the result), moves to just before the first other node that needs them: a
-  write-back, a collective, compute, the output. A wait is therefore never earlier than the
-  first real use of its result (in Inductor's schedule a wait placed early can hold back
-  later collectives, not only its own users);
+  write-back, a collective, compute, the output; a node that also reads a graph input or
+  another earlier value goes no further than the next node with side effects, which might
+  write that value. A wait is therefore never earlier than the first real use of its result
+  (in Inductor's schedule a wait placed early can hold back later collectives, not only its
+  own users);
 - each collective moves up to just after the last of its inputs, but never above the previous
   collective (the order of collectives stays the graph's, the same on every rank) nor above a
   node with side effects (a mutation might write what it reads). A ``data_parallel`` block's
@@ -66,12 +68,14 @@ def _is_wait(node: Node) -> bool:
     return is_op(node, (WAIT,)) and is_collective(node.args[0])
 
 
-def _movable(graph: Graph) -> set[Node]:
+def _movable(graph: Graph) -> dict[Node, bool]:
     """The waits of collectives, and the pure nodes computed from their results and from values
     the collectives themselves depended on (what decompresses, unpacks, dequantizes, sums or
-    slices a result); never a collective, a node with side effects or the output. Defined by
-    dependencies alone, not positions, so a scheduled graph yields the same set."""
+    slices a result); never a collective, a node with side effects or the output. Each maps to
+    whether it reads such a value from outside (a graph input, a value before the collective).
+    Defined by dependencies alone, not positions, so a scheduled graph yields the same set."""
     movable: dict[Node, set[Node]] = {}  # node -> the collectives it is computed from
+    reads_outside: dict[Node, bool] = {}
     inputs_of: dict[Node, set[Node]] = {}  # collective -> everything it depends on
     known: dict = {}
 
@@ -87,28 +91,37 @@ def _movable(graph: Graph) -> set[Node]:
 
     for node in graph.nodes:
         if _is_wait(node):
-            movable[node] = {node.args[0]}
+            movable[node], reads_outside[node] = {node.args[0]}, False
             continue
         if node.op != "call_function" or is_collective(node) or _side_effects(node, known):
             continue
         inputs = node.all_input_nodes
         sources = set().union(*(movable[i] for i in inputs if i in movable))
-        if sources and all(i in movable or ready(i, sources) for i in inputs):
-            movable[node] = sources
-    return set(movable)
+        outside = [i for i in inputs if i not in movable]
+        if sources and all(ready(i, sources) for i in outside):
+            movable[node], reads_outside[node] = sources, bool(outside)
+    return reads_outside
 
 
-def _anchors(graph: Graph, movable: set[Node]) -> dict[Node, Node]:
+def _anchors(graph: Graph, movable: dict[Node, bool]) -> dict[Node, Node]:
     """Each movable node with users -> the first node outside ``movable`` that needs it
-    (directly, or through movable nodes)."""
+    (directly, or through movable nodes). A node that reads a value from outside the
+    collective's results goes no further than the next node with side effects, which might
+    write that value."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    known: dict = {}
     anchor: dict[Node, Node] = {}
+    barrier: Node | None = None  # the first node with side effects after the current one
     for node in reversed(graph.nodes):
         if node in movable and node.users:
             needs = [anchor.get(u) if u in movable else u for u in node.users]
+            if movable[node] and barrier is not None:
+                needs.append(barrier)
             # a movable user that nothing reads keeps its place, and so do its inputs
             if all(n is not None for n in needs):
                 anchor[node] = min(cast(list[Node], needs), key=order.__getitem__)
+        if node not in movable and _side_effects(node, known):
+            barrier = node
     return anchor
 
 

@@ -138,6 +138,27 @@ return [add, wait_tensor_1]""",
         )
         self.assertEqual(schedule_problems(gm.graph), [])
 
+    def test_what_reads_an_input_stays_before_a_write_to_it(self):
+        """A node computed from a result and a graph input does not move past a write that
+        might change the input; what reads only results moves to its first use."""
+
+        def fn(a, b):
+            r = all_reduce(torch.sin(a), "sum", dist.group.WORLD)
+            mixed, alone = r + b, r * 2  # the wait is traced here
+            b.copy_(a)
+            return mixed + 1, alone + 1
+
+        _ = trace(lambda: None, world_size=2)
+        gm = trace(fn, torch.randn(4), torch.randn(4), world_size=2)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, schedule_collectives)
+        order = [n.name for n in gm.graph.nodes]
+        write = next(n.name for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
+        self.assertLess(order.index("add"), order.index(write))  # r + b
+        self.assertGreater(order.index("mul"), order.index(write))  # r * 2
+        self.assertEqual(schedule_problems(gm.graph), [])
+        self.assertTrue(check_rewrite("schedule_collectives", before, gm.graph))
+
     def test_collective_stays_after_a_mutation(self):
         _ = trace(lambda: None, world_size=2)
         gm = trace(
