@@ -107,7 +107,7 @@ def main() -> None:
     error = torch.randn(args.rows, n, device=device) * 1e-3
     packed = _send_int8(x)
     assert torch.equal(_send_int8_cat(x), packed)
-    blocks = packed.numel()  # int8 bytes on the wire, scales included
+    wire = packed.numel()  # int8 bytes on the wire, scales included
     compiled = {
         f: torch.compile(f, fullgraph=True)
         for f in (
@@ -127,22 +127,22 @@ def main() -> None:
     runs: list[tuple[str, Callable[[], object], int]] = [
         ("copy: fp32 into an allocated buffer", lambda: copy(out, x), 8 * elements),
         ("send: bf16 cast", lambda: compiled[_send_bf16](x), 6 * elements),
-        ("send: int8 quantize + pack", lambda: compiled[_send_int8](x), 4 * elements + blocks),
+        ("send: int8 quantize + pack", lambda: compiled[_send_int8](x), 4 * elements + wire),
         (
             "send: int8 quantize, packed by a cat",
             lambda: compiled[_send_int8_cat](x),
-            4 * elements + blocks,
+            4 * elements + wire,
         ),
         (
             "send: int8 + error feedback",
             lambda: compiled[_send_int8_feedback](x, error),
-            12 * elements + blocks,
+            12 * elements + wire,
         ),
         ("receive: bf16 sum", lambda: compiled[_receive_bf16](rows_in), 2 * elements + 4 * n),
         (
             "receive: int8 unpack + dequantize + sum",
             lambda: compiled[_receive_int8](packed, n),
-            blocks + 4 * n,
+            wire + 4 * n,
         ),
     ]
     medians = _medians_ms([call for _, call, _ in runs], args.reps, device)
