@@ -97,68 +97,6 @@ add_1: f32[4] = aten.add(wait_tensor_1, 1)
 return [add, add_1, mm]""",
         )
 
-    def test_a_wait_whose_result_fans_out_no_longer_holds_back_the_next_collective(self):
-        """An unpacked result (two slices of one wait, as the int8 hooks read scales and
-        values) kept its wait where the slices were traced, before unrelated compute and the
-        next collective, which Inductor then issues only after that wait; the whole
-        computation from the result now moves to its first use."""
-
-        def fn(a, c):
-            r = all_reduce(torch.sin(a), "sum", dist.group.WORLD)
-            unpacked = r[:2] * r[2:]  # the wait is traced here
-            z = torch.cos(c) @ torch.cos(c)
-            rz = all_reduce(z, "sum", dist.group.WORLD)
-            return unpacked + 1, rz
-
-        _ = trace(lambda: None, world_size=2)
-        gm = trace(fn, torch.randn(4), torch.randn(3, 3), world_size=2)
-        self.assertEqual(
-            schedule_problems(gm.graph),
-            ["wait_tensor waits before cos, which does not use its result"],
-        )
-        self.assertRewrites(gm, schedule_collectives)
-        self.assertExpectedInline(
-            graph_str(gm),
-            """\
-a_1: f32[4] = input
-c_1: f32[3, 3] = input
-sin: f32[4] = aten.sin(a_1)
-all_reduce: f32[4] = c10d.all_reduce(sin, 'sum', group(size=2))
-cos: f32[3, 3] = aten.cos(c_1)
-cos_1: f32[3, 3] = aten.cos(c_1)
-mm: f32[3, 3] = aten.mm(cos, cos_1)
-all_reduce_1: f32[3, 3] = c10d.all_reduce(mm, 'sum', group(size=2))
-wait_tensor: f32[4] = c10d.wait_tensor(all_reduce)
-slice_copy: f32[2] = aten.slice_copy(wait_tensor, 0, 0, 2)
-slice_copy_1: f32[2] = aten.slice_copy(wait_tensor, 0, 2, 9223372036854775807)
-mul: f32[2] = aten.mul(slice_copy, slice_copy_1)
-add: f32[2] = aten.add(mul, 1)
-wait_tensor_1: f32[3, 3] = c10d.wait_tensor(all_reduce_1)
-return [add, wait_tensor_1]""",
-        )
-        self.assertEqual(schedule_problems(gm.graph), [])
-
-    def test_what_reads_an_input_stays_before_a_write_to_it(self):
-        """A node computed from a result and a graph input does not move past a write that
-        might change the input; what reads only results moves to its first use."""
-
-        def fn(a, b):
-            r = all_reduce(torch.sin(a), "sum", dist.group.WORLD)
-            mixed, alone = r + b, r * 2  # the wait is traced here
-            b.copy_(a)
-            return mixed + 1, alone + 1
-
-        _ = trace(lambda: None, world_size=2)
-        gm = trace(fn, torch.randn(4), torch.randn(4), world_size=2)
-        before = copy_graph(gm.graph)
-        self.assertRewrites(gm, schedule_collectives)
-        order = [n.name for n in gm.graph.nodes]
-        write = next(n.name for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
-        self.assertLess(order.index("add"), order.index(write))  # r + b
-        self.assertGreater(order.index("mul"), order.index(write))  # r * 2
-        self.assertEqual(schedule_problems(gm.graph), [])
-        self.assertTrue(check_rewrite("schedule_collectives", before, gm.graph))
-
     def test_collective_stays_after_a_mutation(self):
         _ = trace(lambda: None, world_size=2)
         gm = trace(
