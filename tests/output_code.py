@@ -36,8 +36,9 @@ _ROUND = (r"std::nearbyint\(", r"\.round\(\)", r"libdevice\.(nearbyint|rint|roun
 # A Triton kernel computes in fp32 and casts in its store: its signature's pointer types.
 _TRITON_POINTER = re.compile(r"'((?:in_out|in|out)_ptr\d+)': '\*(\w+)'")
 _TRITON_TYPE = {"bfloat16": "bf16", "float16": "fp16"}
-# A collective's buffer argument, named or viewed (``reinterpret_tensor(buf120, (1, 7800), ...)``)
-_BUFFER_ARG = r"(?:reinterpret_tensor\()?(buf\d+)"
+# What precedes a collective's buffer argument when the call reads a view of it
+# (``reinterpret_tensor(buf120, (1, 7800), ...)``)
+_VIEWED = r"(?:reinterpret_tensor\()?"
 
 
 def _call_body(code: str) -> str:
@@ -50,7 +51,7 @@ def collective_calls(code: str, op: str) -> list[str]:
     """The buffer every ``_c10d_functional.<op>`` call reads (its first argument, or the
     buffer that argument views), in order; ``op`` matches the in-place form too
     (``all_reduce`` finds ``all_reduce_``)."""
-    return re.findall(rf"_c10d_functional\.{op}_?\.default\({_BUFFER_ARG}", _call_body(code))
+    return re.findall(rf"_c10d_functional\.{op}_?\.default\({_VIEWED}(buf\d+)", _call_body(code))
 
 
 def kernels(code: str) -> dict[str, str]:
@@ -62,9 +63,7 @@ def bucket_writers(code: str, buffer: str) -> list[str]:
     """The kernels that write ``buffer`` or an alias of it before the first collective that
     reads it, in call order (a name once per call)."""
     body = _call_body(code)
-    first_use = re.search(
-        rf"_c10d_functional\.\w+\.default\((?:reinterpret_tensor\()?{buffer}\b", body
-    )
+    first_use = re.search(rf"_c10d_functional\.\w+\.default\({_VIEWED}{buffer}\b", body)
     body = body[: first_use.start()] if first_use else body
     names = {buffer} | {alias for alias, base in _ALIAS.findall(body) if base == buffer}
     defined = kernels(code)
