@@ -32,7 +32,9 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
+from train_ddp import synchronize
 
 from compiled_hooks.int8_collectives import _scale_bytes, pack, unpack
 from compiled_hooks.quantize import dequantize, quantize
@@ -76,18 +78,13 @@ def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _medians_ms(calls: list[Callable[[], object]], reps: int, device: torch.device) -> list[float]:
     """Median time of each call over ``reps`` rounds, one call of each per round in an order
     rotated every round (after two warm-up rounds), the device synchronized around each."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     times: list[list[float]] = [[] for _ in calls]
     for r in range(reps + 2):
         for i in [(r + k) % len(calls) for k in range(len(calls))]:
-            sync()
+            synchronize(device)
             t0 = time.perf_counter()
             calls[i]()
-            sync()
+            synchronize(device)
             if r >= 2:
                 times[i].append(time.perf_counter() - t0)
     return [statistics.median(t) * 1e3 for t in times]
