@@ -310,6 +310,8 @@ def _in_group(
         dist.init_process_group(backend)
     else:
         torch.set_num_threads(1)  # the spawned ranks share this machine's cores
+        # as torchrun says it: every rank on this host (the passes' gloo defaults read it)
+        os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )

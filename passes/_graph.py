@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import sys
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, cast
@@ -64,9 +66,11 @@ SCALE_OPS = MUL_OPS + DIV_OPS
 # traced graphs).
 AVG_BACKENDS = frozenset({"nccl", "fake"})
 # The most bytes per destination one all_to_all the gloo rewrites send (all_to_all_weight_update,
-# all_gather_as_all_to_all, reduce_scatter_as_all_to_all): on a bandwidth-bound link gloo moves
-# one large all_to_all well below the link's rate, and the same bytes in pieces of this size, all
-# in flight, close to it (docs/benchmarks.md, "Collective costs on gloo").
+# all_gather_as_all_to_all, reduce_scatter_as_all_to_all) where the ranks span hosts: on a
+# bandwidth-bound link gloo moves one large all_to_all well below the link's rate, and the same
+# bytes in pieces of this size, all in flight, close to it. Where every rank runs on one host the
+# exchange goes through loopback, where one all_to_all moves at memory speed and each piece costs
+# more than it saves: there it goes out whole (docs/benchmarks.md, "Collective costs on gloo").
 ALL_TO_ALL_CHUNK_BYTES = 512 << 10
 
 
@@ -359,11 +363,26 @@ def reapply(graph: Graph, value: Node, ops: list[Node]) -> Node:
     return value
 
 
-def check_chunk_bytes(pass_name: str, chunk_bytes: int) -> None:
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+def ranks_on_one_host() -> bool:
+    """Whether torchrun's environment says that every rank of the job runs on this host
+    (``LOCAL_WORLD_SIZE == WORLD_SIZE``); False where either is unset. The same on every rank of
+    a job that torchrun (or a launcher setting its variables) started."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    return local is not None and local == world
+
+
+def resolve_chunk_bytes(pass_name: str, chunk_bytes: int | None) -> int:
+    """The most bytes per destination one all_to_all of ``pass_name`` sends: ``chunk_bytes``
+    where given (a positive int, else ``ValueError``); by default ``ALL_TO_ALL_CHUNK_BYTES``,
+    or no limit where :func:`ranks_on_one_host`."""
+    if chunk_bytes is None:
+        return sys.maxsize if ranks_on_one_host() else ALL_TO_ALL_CHUNK_BYTES
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(
-            f"{pass_name}: all_to_all_chunk_bytes must be a positive int, got {chunk_bytes!r}"
+            f"{pass_name}: all_to_all_chunk_bytes must be a positive int or None, "
+            f"got {chunk_bytes!r}"
         )
+    return chunk_bytes
 
 
 def chunk_bounds(count: int, item_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:

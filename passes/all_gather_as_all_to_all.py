@@ -25,7 +25,8 @@ output is the all_gather's, bit for bit, with the same bytes on the wire; the co
 copy of ``N * x`` per collective. An input of more than ``all_to_all_chunk_bytes`` goes out in
 several all_to_alls of at most that many bytes per destination, all issued where the all_gather
 was and all waited for where its wait was (gloo moves one large all_to_all well below a
-bandwidth-bound link's rate, pieces close to it: ``ALL_TO_ALL_CHUNK_BYTES``);
+bandwidth-bound link's rate, pieces close to it; by default ``ALL_TO_ALL_CHUNK_BYTES`` where the
+ranks span hosts, one all_to_all where they share one: ``_graph.resolve_chunk_bytes``);
 the pieces' rank-major outputs are joined back into the all_gather's::
 
     ag = all_gather_into_tensor(x, N, G)
@@ -50,16 +51,15 @@ from torch.fx import Graph, Node
 from ._graph import (
     ALL_GATHER,
     ALL_TO_ALL,
-    ALL_TO_ALL_CHUNK_BYTES,
     WAIT,
     aten,
-    check_chunk_bytes,
     check_graph,
     chunk_bounds,
     group_info,
     is_op,
     new_node,
     record,
+    resolve_chunk_bytes,
     val,
 )
 from .interface import graph_pass
@@ -103,9 +103,10 @@ class Options:
 
     all_gather_backends: Collection[str] = BACKENDS
     """Backends whose all-gathers are rewritten."""
-    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES
+    all_to_all_chunk_bytes: int | None = None
     """The most bytes per destination one all_to_all sends; a larger exchange goes out in
-    pieces of at most this, all in flight."""
+    pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
+    span hosts, no limit where they share one (``_graph.resolve_chunk_bytes``)."""
 
 
 @graph_pass(
@@ -122,13 +123,13 @@ class Options:
 def all_gather_as_all_to_all(
     graph: Graph,
     all_gather_backends: Collection[str] = BACKENDS,
-    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES,
+    all_to_all_chunk_bytes: int | None = None,
 ) -> bool:
     """Rewrite all_gathers on groups whose backend is in ``all_gather_backends`` to all_to_alls
     of ``N`` copies of the input, in pieces of at most ``all_to_all_chunk_bytes`` per
     destination (see the module docstring); True if anything changed."""
     check_graph(PASS, graph)
-    check_chunk_bytes(PASS, all_to_all_chunk_bytes)
+    chunk_bytes = resolve_chunk_bytes(PASS, all_to_all_chunk_bytes)
     changed = False
     for ag in [n for n in graph.nodes if is_op(n, (ALL_GATHER,))]:
         x, size, group = ag.args
@@ -140,7 +141,7 @@ def all_gather_as_all_to_all(
         pieces = chunk_bounds(
             value.shape[0],
             math.prod(value.shape[1:]) * value.element_size(),
-            all_to_all_chunk_bytes,
+            chunk_bytes,
         )
         single_wait = len(ag.users) == 1 and is_op(next(iter(ag.users)), (WAIT,))
         if len(pieces) > 1 and single_wait:

@@ -9,9 +9,10 @@ reduce_scatter is an all_reduce in disguise, no cheaper. This pass makes the sam
 of gloo's all_to_all, which sends each rank only its row, and sums the N received rows
 locally; and it issues both exchanges in chunks of at most ``all_to_all_chunk_bytes`` per
 destination, which gloo moves at the link's rate where one large message does not. Every
-piece is one more collective to issue, which costs where the wire is free; the default is
-``ALL_TO_ALL_CHUNK_BYTES``, shared with the other gloo rewrites (docs/benchmarks.md). Two
-independent rewrites, each exact on its own:
+piece is one more collective to issue, which costs where the wire is free: by default the
+pieces are ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks span hosts and the exchange goes out whole
+where they share one, as in the other gloo rewrites (``_graph.resolve_chunk_bytes``,
+docs/benchmarks.md). Two independent rewrites, each exact on its own:
 
 1. *own row of an all_reduce* (sum or avg; matched as ``shard_weight_update`` matches it)::
 
@@ -65,12 +66,10 @@ from ._bucket import cat_prologue_problem
 from ._graph import (
     ALL_GATHER,
     ALL_TO_ALL,
-    ALL_TO_ALL_CHUNK_BYTES,
     VIEW_OPS,
     WAIT,
     arg,
     aten,
-    check_chunk_bytes,
     check_graph,
     chunk_bounds,
     flat_value,
@@ -78,6 +77,7 @@ from ._graph import (
     new_node,
     reapply,
     record,
+    resolve_chunk_bytes,
     val,
 )
 from ._weight_update import weight_update_matches
@@ -272,29 +272,30 @@ class Options:
 
     all_to_all_backends: Collection[str] = BACKENDS
     """Backends whose weight exchange is rewritten."""
-    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES
+    all_to_all_chunk_bytes: int | None = None
     """The most bytes per destination one all_to_all sends; a larger exchange goes out in
-    pieces of at most this, all in flight."""
+    pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
+    span hosts, no limit where they share one (``_graph.resolve_chunk_bytes``)."""
 
 
 @graph_pass(options=Options, after=("shard_weight_update",))
 def all_to_all_weight_update(
     graph: Graph,
     all_to_all_backends: Collection[str] = BACKENDS,
-    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES,
+    all_to_all_chunk_bytes: int | None = None,
 ) -> bool:
     """Rewrite own-row all_reduces to chunked all_to_all + sum and owner broadcasts to chunked
     all_gathers (see the module docstring) on groups whose backend is in
     ``all_to_all_backends``; True if anything changed."""
     check_graph(PASS, graph)
-    check_chunk_bytes(PASS, all_to_all_chunk_bytes)
+    chunk_bytes = resolve_chunk_bytes(PASS, all_to_all_chunk_bytes)
     changed = False
     for node, chain, broadcasts, n in weight_update_matches(graph, PASS, all_to_all_backends, {}):
         if chain is not None:
-            chunks = _rewrite_own_row(graph, node, chain, n, all_to_all_chunk_bytes)
+            chunks = _rewrite_own_row(graph, node, chain, n, chunk_bytes)
             record(PASS, "all_reduce read in own row -> all_to_all", node)
         else:
-            chunks = _rewrite_owner_broadcasts(graph, node, broadcasts, all_to_all_chunk_bytes)
+            chunks = _rewrite_owner_broadcasts(graph, node, broadcasts, chunk_bytes)
             record(PASS, "owner broadcasts -> all_gather", node)
         record(PASS, f"{chunks} chunk(s)", node)
         changed = True

@@ -31,7 +31,7 @@ from compiled_hooks import compat
 from compiled_hooks.env import env_flag
 from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
-from ._graph import check_graph, is_collective
+from ._graph import check_graph, is_collective, ranks_on_one_host
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
@@ -239,6 +239,8 @@ class Pipeline(compat.CustomGraphPass):
                 h.update(repr(p).encode())
         h.update(repr(sorted(self.options.items())).encode())
         h.update(f"check_ranks={self.check_ranks}".encode())
+        # the default all_to_all piece size follows the job's hosts (resolve_chunk_bytes)
+        h.update(f"ranks_on_one_host={ranks_on_one_host()}".encode())
         h.update(torch.__version__.encode())
         return h.hexdigest()
 

@@ -42,11 +42,9 @@ from torch.fx import Graph, Node
 
 from ._graph import (
     ALL_TO_ALL,
-    ALL_TO_ALL_CHUNK_BYTES,
     REDUCE_SCATTER,
     WAIT,
     aten,
-    check_chunk_bytes,
     check_graph,
     chunk_bounds,
     group_info,
@@ -54,6 +52,7 @@ from ._graph import (
     new_node,
     prims,
     record,
+    resolve_chunk_bytes,
     val,
 )
 from .interface import graph_pass
@@ -88,9 +87,10 @@ class Options:
 
     reduce_scatter_backends: Collection[str] = BACKENDS
     """Backends whose reduce-scatters are rewritten."""
-    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES
+    all_to_all_chunk_bytes: int | None = None
     """The most bytes per destination one all_to_all sends; a larger exchange goes out in
-    pieces of at most this, all in flight."""
+    pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
+    span hosts, no limit where they share one (``_graph.resolve_chunk_bytes``)."""
 
 
 @graph_pass(
@@ -106,13 +106,13 @@ class Options:
 def reduce_scatter_as_all_to_all(
     graph: Graph,
     reduce_scatter_backends: Collection[str] = BACKENDS,
-    all_to_all_chunk_bytes: int = ALL_TO_ALL_CHUNK_BYTES,
+    all_to_all_chunk_bytes: int | None = None,
 ) -> bool:
     """Rewrite reduce-scatters on groups whose backend is in ``reduce_scatter_backends`` into
     all_to_alls of at most ``all_to_all_chunk_bytes`` per destination and a local sum (see the
     module docstring); True if anything changed."""
     check_graph(PASS, graph)
-    check_chunk_bytes(PASS, all_to_all_chunk_bytes)
+    chunk_bytes = resolve_chunk_bytes(PASS, all_to_all_chunk_bytes)
     changed = False
     for rs in [n for n in graph.nodes if is_op(n, (REDUCE_SCATTER,))]:
         x, op, size, group = rs.args
@@ -130,9 +130,7 @@ def reduce_scatter_as_all_to_all(
         value = val(x)
         shape, dtype = list(value.shape), value.dtype
         d = shape[0] // size
-        pieces = chunk_bounds(
-            d, math.prod(shape[1:]) * value.element_size(), all_to_all_chunk_bytes
-        )
+        pieces = chunk_bounds(d, math.prod(shape[1:]) * value.element_size(), chunk_bytes)
         if not value.is_contiguous():
             pieces = [(0, d)]
         acc = torch.float32 if dtype.is_floating_point and dtype.itemsize < 4 else dtype

@@ -4,6 +4,9 @@ snapshots, the rewritten graphs' values (simulated collectives, and real gloo ra
 pieces), negative cases, idempotence (fake process group); and the block passes on
 data_parallel's own partitioned graphs."""
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -508,6 +511,23 @@ return mul""",
             ValueError, "all_gather_as_all_to_all: all_to_all_chunk_bytes must be a positive"
         ):
             all_gather_as_all_to_all(gather_graph().graph, all_to_all_chunk_bytes=0)
+
+    def test_default_pieces_follow_the_hosts(self):
+        """By default 800 KB per destination go out in two pieces where the ranks span hosts or
+        the launcher does not say, and in one all_to_all where torchrun says they share one."""
+        x = torch.randn(200_000)
+        for env, pieces in (
+            ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, 1),
+            ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, 2),
+            ({}, 2),
+        ):
+            with self.subTest(env=env), mock.patch.dict(os.environ):
+                for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                    os.environ.pop(name, None)
+                os.environ.update(env)
+                gm = trace(lambda x: all_gather_single(x, 0, dist.group.WORLD), x, world_size=2)
+                all_gather_as_all_to_all(gm.graph, all_gather_backends={"fake"})
+                self.assertEqual(sum(n.target is passes_ALL_TO_ALL for n in gm.graph.nodes), pieces)
 
 
 def pieces_worker(rank, world_size):

@@ -99,6 +99,16 @@ def test_uuid_follows_passes_and_options():
     )
 
 
+def test_uuid_follows_the_hosts(monkeypatch):
+    """The default all_to_all piece size depends on whether the ranks share a host, so a graph
+    compiled for one never serves the other from the FX graph cache."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    one_host = default_pipeline().uuid()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_pipeline().uuid() != one_host
+
+
 def test_install_restores_previous_config():
     assert inductor_config.post_grad_custom_post_pass is None
     with install() as pipeline:
