@@ -31,7 +31,9 @@ with something else, such as the collectives' own copies, reductions and socket 
 The bound printed under each table is what no schedule can beat: gradient traffic can start
 only in backward, so a step takes at least forward + time to the first gradient + wire time of
 every gradient byte in the wire dtype (an all_reduce of that many bf16 elements, timed on the
-same link), or the step's compute alone if that is longer.
+same link), or the step's compute alone if that is longer. The column "vs achievable" divides
+each step by what this machine allows it: the larger of its collectives alone and the compute
+alone while the wire is busy (``achievable.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
-from launch import add_link_argument, describe_link, itemsize, launch
+from achievable import TRAFFIC_ROW, achievable_ms, record_collectives, replay_ms, under_traffic_ms
+from launch import add_link_argument, describe_link, itemsize, launch, link_bytes_per_s
 from train_ddp import TinyTransformer, batch
 
 import compiled_hooks as ch
@@ -70,7 +73,8 @@ MODELS = {
 PEERS = ["eager DDP", "eager DDP + torch fp16 hook", "compiled + bf16 hook + torch bucketing"]
 OURS = ["compiled + bf16 hook + passes"]
 INT8 = "compiled + int8 hook + passes"
-CONFIGS = PEERS + OURS + [INT8, "compiled + bf16 hook", "compute alone (compiled, no DDP)"]
+COMPUTE = "compute alone (compiled, no DDP)"
+CONFIGS = PEERS + OURS + [INT8, "compiled + bf16 hook", COMPUTE]
 STEP = "ddp_sync step"
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 COLLECTIVES = (
@@ -270,7 +274,9 @@ def first_gradient_ms(model: str, reps: int = 10) -> tuple[float, float]:
     return statistics.median(fwd[1:]) * 1e3, statistics.median(first[1:]) * 1e3
 
 
-def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict | None:
+def run_model(
+    rank: int, model: str, steps: int, pipeline_options: dict, link: str | None, traffic
+) -> dict | None:
     """Time, profile and print one model's table (rank 0); returns it for ``results``."""
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
@@ -290,8 +296,18 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
             t0 = time.perf_counter()
             c.step()
             c.times.append(time.perf_counter() - t0)
+    world = dist.get_world_size()
     for c in configs:
         c.profile()
+        c.alone_ms = replay_ms(record_collectives(c.step, world), world)
+    compute_alone = next(c for c in configs if c.name == COMPUTE)
+    busy = under_traffic_ms(
+        compute_alone.step,
+        traffic,
+        world,
+        steps * statistics.median(compute_alone.times),
+        link_bytes_per_s(link),
+    )
     elements = sum(p.numel() for p in configs[0].net.parameters())
     wire, wire_cpu = wire_ms(elements, torch.bfloat16)
     fwd, first = first_gradient_ms(model)
@@ -303,15 +319,15 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
     configs.sort(key=lambda c: CONFIGS.index(c.name))
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
     best_peer = min(PEERS, key=median.__getitem__)
-    compute = median["compute alone (compiled, no DDP)"]
+    compute = median[COMPUTE]
     bound = max(fwd + first + wire, compute)
     tensors = sum(1 for _ in configs[0].net.parameters()) - 1
     print(f"\n### {model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)\n")
     print(
         "| configuration | median step (ms) | vs best peer | vs bound | collectives/step | MB to "
-        "collectives/step | exposed communication (ms/step) | matmuls (ms/step) |"
+        "collectives/step | exposed communication (ms/step) | matmuls (ms/step) | vs achievable |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = [
         dict(
             config=c.name,
@@ -322,15 +338,19 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
             mb=c.wire_bytes / 2**20,
             exposed_ms=c.exposed_ms,
             matmul_ms=c.matmul_ms,
+            alone_ms=c.alone_ms,
+            achievable_ms=achievable_ms(busy, c.alone_ms),
         )
         for c in configs
     ]
+    for r in rows:
+        r["vs_achievable"] = r["achievable_ms"] and r["median_ms"] / r["achievable_ms"]
     for r in rows:
         exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.1f}"
         print(
             f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_best_peer']:.2f}x | "
             f"{r['vs_bound']:.2f}x | {r['collectives']:g} | {r['mb']:.1f} | {exposed} | "
-            f"{r['matmul_ms']:.1f} |"
+            f"{r['matmul_ms']:.1f} | {_vs_achievable(r)} |"
         )
     print(
         f"\n{INT8}: {median[INT8] / median[OURS[0]]:.2f}x {OURS[0]} (int8 with error feedback "
@@ -352,7 +372,9 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
         f"{first:.1f} + wire time of all gradients in bf16 {wire:.1f}, compute alone "
         f"{compute:.1f}); forward and first gradient timed eagerly, wire time as one all_reduce "
         f"of {elements / 1e6:.2f}M bf16 elements, which also took {wire_cpu:.1f} ms of CPU time "
-        "in each rank's process."
+        "in each rank's process. Achievable per row: the larger of its collectives alone (the "
+        "same collectives issued back to back with nothing else) and "
+        f"{TRAFFIC_ROW!r} ({busy:.1f} ms), what this machine allows the step."
     )
     return results.table(
         f"{model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)",
@@ -360,8 +382,14 @@ def run_model(rank: int, model: str, steps: int, pipeline_options: dict) -> dict
         ratio="vs_best_peer",
         bound_ms=bound,
         note=f"forward {fwd:.1f} + first gradient {first:.1f} + wire {wire:.1f} ms; "
-        f"compute alone {compute:.1f} ms",
+        f"compute alone {compute:.1f} ms; {TRAFFIC_ROW} {busy:.1f} ms",
     )
+
+
+def _vs_achievable(row: dict) -> str:
+    if row["vs_achievable"] is None:  # eager DDP: its reducer's collectives' sizes are unknown
+        return "-"
+    return f"{row['vs_achievable']:.2f}x ({row['achievable_ms']:.0f} ms)"
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
@@ -372,12 +400,15 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             f"{time.strftime('%Y-%m-%d')}",
             flush=True,
         )
+    traffic = dist.new_group(backend="gloo")  # for under_traffic_ms, on every rank
     tables = [
         run_model(
             rank,
             model,
             args.steps,
             {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {},
+            args.link,
+            traffic,
         )
         for model in args.models
     ]

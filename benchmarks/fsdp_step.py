@@ -45,13 +45,11 @@ import contextlib
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as fcol
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -59,20 +57,18 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
+from achievable import TRAFFIC_ROW, achievable_ms, record_collectives, replay_ms, under_traffic_ms
 from launch import (
     add_link_argument,
     describe_link,
-    itemsize,
     launch,
     link_bytes_per_s,
-    median_ms,
 )
 from train_ddp import TinyTransformer, synchronize
 
 import compiled_hooks as ch
 import passes
 from compiled_hooks.fsdp import data_parallel, register_comm_hook
-from passes._graph import ALL_TO_ALL_CHUNK_BYTES
 from passes.testing import gathered_bytes_alive, partitioned_graphs
 
 INDUCTOR_FSDP_BUCKETING = {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all"}
@@ -211,103 +207,6 @@ class Config:
         )
 
 
-# collective -> which input holds its full size, and whether that input is one rank's part of it
-_FULL_SIZE = {
-    "_c10d_functional::all_gather_into_tensor": (0, True),
-    "_c10d_functional::reduce_scatter_tensor": (0, False),
-    "_c10d_functional::all_to_all_single": (0, False),
-    "_c10d_functional::all_reduce": (0, False),
-    "c10d::_allgather_base_": (0, False),
-    "c10d::_reduce_scatter_base_": (1, False),
-    "c10d::allreduce_": (0, False),
-}
-
-
-def record_collectives(step, world: int) -> list[tuple[str, list[int], str, int]]:
-    """The collectives one ``step()`` issues, from the profiler's recorded shapes: (name, shape of
-    the input that holds its size, dtype, full size in bytes: an all-gather's output, a
-    reduce-scatter's, all-to-all's or all-reduce's input)."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
-    ) as prof:
-        step()
-    calls = []
-    for e in prof.events():
-        if e.name not in _FULL_SIZE:
-            continue
-        arg, part = _FULL_SIZE[e.name]
-        shape = e.input_shapes[arg]
-        shape = shape[0] if shape and isinstance(shape[0], list) else shape  # a list of tensors
-        dtype = e.input_dtypes[arg] if e.input_dtypes else "float"
-        numel = 1
-        for d in shape:
-            numel *= d
-        calls.append((e.name, list(shape), dtype, numel * itemsize(dtype) * (world if part else 1)))
-    return calls
-
-
-_DTYPE = {
-    "float": torch.float32,
-    "c10::BFloat16": torch.bfloat16,
-    "c10::Half": torch.float16,
-    "signed char": torch.int8,
-}
-
-
-def replay_ms(calls: list[tuple[str, list[int], str, int]], world: int, reps: int = 5) -> float:
-    """Median time of the same collectives issued back to back with nothing else: what gloo
-    needs for them on this link, against which the step's own overlap is judged."""
-    group = dist.group.WORLD
-    tensors = [
-        (name, torch.zeros(shape, dtype=_DTYPE.get(dtype, torch.float32)))
-        for name, shape, dtype, _ in calls
-    ]
-
-    def once() -> None:
-        for name, x in tensors:
-            if name == "_c10d_functional::all_gather_into_tensor":
-                fcol.wait_tensor(fcol.all_gather_tensor(x, 0, group))
-            elif name == "_c10d_functional::reduce_scatter_tensor":
-                fcol.wait_tensor(fcol.reduce_scatter_tensor(x, "sum", 0, group))
-            elif name == "_c10d_functional::all_to_all_single":
-                fcol.wait_tensor(fcol.all_to_all_single(x, None, None, group))
-            elif name in ("_c10d_functional::all_reduce", "c10d::allreduce_"):
-                dist.all_reduce(x)
-            elif name == "c10d::_allgather_base_":  # x is the output
-                dist.all_gather_into_tensor(x.reshape(-1), x.new_empty(x.numel() // world))
-            else:  # c10d::_reduce_scatter_base_
-                dist.reduce_scatter_tensor(x.new_empty(x.numel() // world), x.reshape(-1))
-
-    return median_ms(once, reps)
-
-
-def under_traffic_ms(step, traffic, world: int, seconds: float, rate: float | None) -> float:
-    """Median time of ``step()`` while a thread sends all_to_alls on the ``traffic`` group for
-    about ``seconds`` at ``rate`` (a fixed number of rounds, the same on every rank)."""
-    # one chunk per destination
-    piece = torch.ones(world * ALL_TO_ALL_CHUNK_BYTES // 2, dtype=torch.bfloat16)
-    per_round = 4 * (world - 1) * ALL_TO_ALL_CHUNK_BYTES
-    rounds = torch.tensor([max(20, int(seconds * (rate or 1e9) / per_round))])
-    dist.all_reduce(rounds, dist.ReduceOp.MAX)  # every rank sends as many
-    rounds = int(rounds)
-
-    def pump() -> None:
-        for _ in range(rounds):
-            for handle in [fcol.all_to_all_single(piece, None, None, traffic) for _ in range(4)]:
-                fcol.wait_tensor(handle)
-
-    dist.barrier()
-    thread = threading.Thread(target=pump)
-    thread.start()
-    times = []
-    while thread.is_alive():
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    thread.join()
-    return statistics.median(times[:-1] or times) * 1e3  # the last step may outlast the traffic
-
-
 PEERS_KEEP = ["SimpleFSDP-style + Inductor bucketing"]
 PEERS_RESHARD = ["FSDP2 eager", "FSDP2 compiled per block"]
 INT8 = "data_parallel keep + int8 + passes"
@@ -319,7 +218,6 @@ OURS = [
     INT8,
 ]
 CONFIGS = PEERS_RESHARD + PEERS_KEEP + OURS + ["compute alone (compiled, unsharded)"]
-TRAFFIC_ROW = "compute alone, gloo traffic at the link rate alongside"
 
 
 def run_model(
@@ -336,7 +234,7 @@ def run_model(
         c.step()
         calls = record_collectives(c.step, world)
         c.collectives, c.mb = len(calls), sum(b for *_, b in calls) / 2**20
-        c.alone_ms = replay_ms(calls, world) if calls else 0.0
+        c.alone_ms = replay_ms(calls, world)
         c.measure_peak()
     for i in range(steps):
         for c in configs[i % len(configs) :] + configs[: i % len(configs)]:
@@ -368,7 +266,7 @@ def run_model(
             peer = "data_parallel keep + passes"
         wire = c.mb * 2**20 * (world - 1) / world / rate * 1e3 if rate else 0.0
         bound = max(wire, compute)
-        achievable = max(busy, c.alone_ms)
+        achievable = achievable_ms(busy, c.alone_ms)
         rows.append(
             dict(
                 config=c.name,

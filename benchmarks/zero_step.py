@@ -52,7 +52,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
-from launch import add_link_argument, describe_link, launch
+from achievable import TRAFFIC_ROW, achievable_ms, record_collectives, replay_ms, under_traffic_ms
+from launch import add_link_argument, describe_link, launch, link_bytes_per_s
 from train_ddp import TinyTransformer, batch, loss_fn
 
 import compiled_hooks as ch
@@ -62,6 +63,7 @@ from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_ze
 LR = 1e-3
 BUCKET_CAP_MB = 4  # every DDP here (see the module docstring)
 NO_STEP = "compiled DDP, no optimizer step"
+COMPUTE = "compute alone (compiled, no DDP) + AdamW"
 CONFIGS = [
     "compiled DDP + AdamW (unsharded)",
     "compiled DDP + AdamW (unsharded), torch bucketing",
@@ -71,6 +73,7 @@ CONFIGS = [
     "compiled ZeRO, interleaved, shard_buckets",
     "compiled ZeRO, interleaved, shard_buckets + shard_weight_update",
     NO_STEP,
+    COMPUTE,
 ]
 COLLECTIVE = re.compile(
     r"_c10d_functional\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|broadcast|all_to_all_single)\w*"
@@ -97,7 +100,7 @@ class Config:
             targets,
         )
         self.times: list[float] = []
-        self.compiled = name.startswith("compiled")
+        self.compiled = name.startswith(("compiled", "compute"))
         self.pipeline = None
         self.zero = self.opt = None
         if name.startswith("eager"):
@@ -123,6 +126,9 @@ class Config:
             self.pipeline = passes.default_pipeline(
                 **(forced if "shard_weight_update" in name else {})
             )
+        elif name == COMPUTE:
+            self.model = torch.compile(self.net)
+            self.opt = torch.optim.AdamW(self.net.parameters(), lr=LR)
         else:
             _, self.model = ch.compile_ddp(self.net, bucket_cap_mb=BUCKET_CAP_MB)
             self.opt = None if name == NO_STEP else torch.optim.AdamW(self.net.parameters(), lr=LR)
@@ -269,8 +275,8 @@ def kernel_table(c: Config, events, steps: int) -> str:
 
 
 def run(
-    rank: int, size: dict, steps: int, profiled: bool = False
-) -> tuple[list[dict], list[str]] | None:
+    rank: int, size: dict, steps: int, link: str | None, traffic, profiled: bool = False
+) -> tuple[list[dict], list[str], float] | None:
     tokens, targets = batch(rank, 0, batch_size=8, seq_len=32)
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
     configs = [Config(n, size, tokens, targets) for n in CONFIGS if n.startswith("eager")]
@@ -288,6 +294,18 @@ def run(
             c.times.append(time.perf_counter() - t0)
     # every configuration trains the same model on the same data: how far apart did they end?
     flat = [torch.cat([p.detach().reshape(-1) for p in c.net.parameters()]) for c in configs]
+    world = dist.get_world_size()
+    collectives_alone = {
+        c.name: replay_ms(record_collectives(c.step, world), world) for c in configs
+    }
+    compute = next(c for c in configs if c.name == COMPUTE)
+    busy = under_traffic_ms(
+        compute.step,
+        traffic,
+        world,
+        steps * statistics.median(compute.times),
+        link_bytes_per_s(link),
+    )
     tables = [
         kernel_table(c, profile(c.step, 10), 10) for c in configs if profiled and c.name in PROFILED
     ]
@@ -312,33 +330,43 @@ def run(
             return statistics.median(c.step_times[-steps:]) * 1e3
         return (statistics.median(c.times) - no_step) * 1e3
 
-    return [
-        dict(
-            model=f"{n_tensors} tensors, {n_params / 1e6:.2f}M params",
-            config=c.name,
-            median_ms=statistics.median(c.times) * 1e3,
-            ratio=statistics.median(c.times) / base,
-            collectives=c.collectives,
-            state_mb=c.state_bytes() / 1e6 if c.name != NO_STEP else 0.0,
-            optimizer_ms=optimizer_ms(c) if c.name != NO_STEP else 0.0,
-            alone_ms=statistics.median(alone[c.name]) if c.name in alone else None,
-            alone_ratio=statistics.median(
-                a / b for a, b in zip(alone[c.name], alone[configs[0].name])
+    return (
+        [
+            dict(
+                model=f"{n_tensors} tensors, {n_params / 1e6:.2f}M params",
+                config=c.name,
+                median_ms=statistics.median(c.times) * 1e3,
+                ratio=statistics.median(c.times) / base,
+                collectives=c.collectives,
+                state_mb=c.state_bytes() / 1e6 if c.name != NO_STEP else 0.0,
+                optimizer_ms=optimizer_ms(c) if c.name != NO_STEP else 0.0,
+                alone_ms=statistics.median(alone[c.name]) if c.name in alone else None,
+                alone_ratio=statistics.median(
+                    a / b for a, b in zip(alone[c.name], alone[configs[0].name])
+                )
+                if c.name in alone
+                else None,
+                diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item(),
+                achievable_ms=achievable_ms(busy, collectives_alone[c.name]),
             )
-            if c.name in alone
-            else None,
-            diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item(),
-        )
-        for c, f in zip(configs, flat)
-    ], tables
+            for c, f in zip(configs, flat)
+        ],
+        tables,
+        busy,
+    )
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if args.profile:
         torch._inductor.config.cpp.enable_kernel_profile = True
-    result = run(rank, dict(dim=args.dim, layers=args.layers), args.steps, args.profile)
+    traffic = dist.new_group(backend="gloo")  # for under_traffic_ms, on every rank
+    result = run(
+        rank, dict(dim=args.dim, layers=args.layers), args.steps, args.link, traffic, args.profile
+    )
     if rank == 0:
-        rows, tables = result
+        rows, tables, busy = result
+        for r in rows:
+            r["vs_achievable"] = r["achievable_ms"] and r["median_ms"] / r["achievable_ms"]
         print(
             f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per "
             f"configuration, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: "
@@ -347,18 +375,23 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
         print(
             "| configuration | median step (ms) | vs first | optimizer step (ms, share of the "
             "step) | optimizer step alone, compute, profiled (ms, vs first) | collectives/step | "
-            "optimizer state per rank (MB) | max parameter difference vs first |"
+            "optimizer state per rank (MB) | max parameter difference vs first | vs achievable |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             coll = "-" if r["collectives"] is None else r["collectives"]
             prof = (
                 "-" if r["alone_ms"] is None else f"{r['alone_ms']:.1f} ({r['alone_ratio']:.2f}x)"
             )
+            achievable = (  # "-": eager DDP's reducer, whose collectives' sizes are unknown
+                "-"
+                if r["vs_achievable"] is None
+                else f"{r['vs_achievable']:.2f}x ({r['achievable_ms']:.0f} ms)"
+            )
             print(
                 f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | "
                 f"{r['optimizer_ms']:.1f} ({r['optimizer_ms'] / r['median_ms']:.0%}) | {prof} | "
-                f"{coll} | {r['state_mb']:.2f} | {r['diff']:.1e} |"
+                f"{coll} | {r['state_mb']:.2f} | {r['diff']:.1e} | {achievable} |"
             )
         print(
             "\noptimizer step: timed alone where it runs after backward; inside the compiled "
@@ -368,7 +401,10 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             "ZeRO the compiled update of every bucket on its averaged row), in turn: median time "
             "in ops and kernels per call, and the median of the calls' ratios; communication "
             "(issuing and waiting for collectives) and the compiled step's entry (guards, graph "
-            "call) excluded"
+            "call) excluded. Achievable per row: the larger of its collectives alone (the same "
+            f"collectives issued back to back with nothing else) and {TRAFFIC_ROW!r} with "
+            f"'{COMPUTE}' ({busy:.1f} ms; the unsharded optimizer's compute, more than a sharded "
+            "one's), what this machine allows the step"
         )
         for table in tables:
             print(table)
