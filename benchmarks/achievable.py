@@ -157,3 +157,8 @@ def achievable_ms(busy_ms: float, alone_ms: float | None) -> float | None:
     """What this machine allows a step whose compute under traffic takes ``busy_ms`` and whose
     collectives alone take ``alone_ms`` (None where those are unknown)."""
     return None if alone_ms is None else max(busy_ms, alone_ms)
+
+
+def vs_achievable(step_ms: float, achievable: float | None) -> str:
+    """The column's cell: the ratio and the reference, or "-" where the reference is unknown."""
+    return "-" if achievable is None else f"{step_ms / achievable:.2f}x ({achievable:.0f} ms)"

@@ -56,7 +56,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
-from achievable import TRAFFIC_ROW, achievable_ms, record_collectives, replay_ms, under_traffic_ms
+from achievable import (
+    TRAFFIC_ROW,
+    achievable_ms,
+    record_collectives,
+    replay_ms,
+    under_traffic_ms,
+    vs_achievable,
+)
 from launch import add_link_argument, describe_link, itemsize, launch, link_bytes_per_s
 from train_ddp import TinyTransformer, batch
 
@@ -344,13 +351,11 @@ def run_model(
         for c in configs
     ]
     for r in rows:
-        r["vs_achievable"] = r["achievable_ms"] and r["median_ms"] / r["achievable_ms"]
-    for r in rows:
         exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.1f}"
         print(
             f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_best_peer']:.2f}x | "
             f"{r['vs_bound']:.2f}x | {r['collectives']:g} | {r['mb']:.1f} | {exposed} | "
-            f"{r['matmul_ms']:.1f} | {_vs_achievable(r)} |"
+            f"{r['matmul_ms']:.1f} | {vs_achievable(r['median_ms'], r['achievable_ms'])} |"
         )
     print(
         f"\n{INT8}: {median[INT8] / median[OURS[0]]:.2f}x {OURS[0]} (int8 with error feedback "
@@ -384,12 +389,6 @@ def run_model(
         note=f"forward {fwd:.1f} + first gradient {first:.1f} + wire {wire:.1f} ms; "
         f"compute alone {compute:.1f} ms; {TRAFFIC_ROW} {busy:.1f} ms",
     )
-
-
-def _vs_achievable(row: dict) -> str:
-    if row["vs_achievable"] is None:  # eager DDP: its reducer's collectives' sizes are unknown
-        return "-"
-    return f"{row['vs_achievable']:.2f}x ({row['achievable_ms']:.0f} ms)"
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:

@@ -52,7 +52,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
-from achievable import TRAFFIC_ROW, achievable_ms, record_collectives, replay_ms, under_traffic_ms
+from achievable import (
+    TRAFFIC_ROW,
+    achievable_ms,
+    record_collectives,
+    replay_ms,
+    under_traffic_ms,
+    vs_achievable,
+)
 from launch import add_link_argument, describe_link, launch, link_bytes_per_s
 from train_ddp import TinyTransformer, batch, loss_fn
 
@@ -365,8 +372,6 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     )
     if rank == 0:
         rows, tables, busy = result
-        for r in rows:
-            r["vs_achievable"] = r["achievable_ms"] and r["median_ms"] / r["achievable_ms"]
         print(
             f"\n{describe_link()} (gloo, 1 thread each), {args.steps} interleaved steps per "
             f"configuration, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, model: "
@@ -383,15 +388,11 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             prof = (
                 "-" if r["alone_ms"] is None else f"{r['alone_ms']:.1f} ({r['alone_ratio']:.2f}x)"
             )
-            achievable = (  # "-": eager DDP's reducer, whose collectives' sizes are unknown
-                "-"
-                if r["vs_achievable"] is None
-                else f"{r['vs_achievable']:.2f}x ({r['achievable_ms']:.0f} ms)"
-            )
             print(
                 f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | "
                 f"{r['optimizer_ms']:.1f} ({r['optimizer_ms'] / r['median_ms']:.0%}) | {prof} | "
-                f"{coll} | {r['state_mb']:.2f} | {r['diff']:.1e} | {achievable} |"
+                f"{coll} | {r['state_mb']:.2f} | {r['diff']:.1e} | "
+                f"{vs_achievable(r['median_ms'], r['achievable_ms'])} |"
             )
         print(
             "\noptimizer step: timed alone where it runs after backward; inside the compiled "
