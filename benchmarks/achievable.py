@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
-from launch import itemsize, median_ms
+from launch import itemsize, link_bytes_per_s, median_ms
 
 from passes._graph import ALL_TO_ALL_CHUNK_BYTES
 
@@ -151,6 +151,25 @@ def under_traffic_ms(
         times.append(time.perf_counter() - t0)
     thread.join()
     return statistics.median(times[:-1] or times) * 1e3  # the last step may outlast the traffic
+
+
+def collectives_alone_ms(step: Callable[[], object], world: int) -> float | None:
+    """:func:`replay_ms` of the collectives one ``step()`` issues."""
+    return replay_ms(record_collectives(step, world), world)
+
+
+def compute_busy_ms(
+    step: Callable[[], object], times: list[float], traffic, link: str | None
+) -> float:
+    """:func:`under_traffic_ms` of the compute-alone ``step``, with traffic for as long as its
+    timed steps took (``times``, in s) at ``link``'s rate."""
+    return under_traffic_ms(
+        step,
+        traffic,
+        dist.get_world_size(),
+        len(times) * statistics.median(times),
+        link_bytes_per_s(link),
+    )
 
 
 def achievable_ms(busy_ms: float, alone_ms: float | None) -> float | None:

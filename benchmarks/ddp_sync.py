@@ -59,12 +59,11 @@ import results
 from achievable import (
     TRAFFIC_ROW,
     achievable_ms,
-    record_collectives,
-    replay_ms,
-    under_traffic_ms,
+    collectives_alone_ms,
+    compute_busy_ms,
     vs_achievable,
 )
-from launch import add_link_argument, describe_link, itemsize, launch, link_bytes_per_s
+from launch import add_link_argument, describe_link, itemsize, launch
 from train_ddp import TinyTransformer, batch
 
 import compiled_hooks as ch
@@ -303,18 +302,11 @@ def run_model(
             t0 = time.perf_counter()
             c.step()
             c.times.append(time.perf_counter() - t0)
-    world = dist.get_world_size()
     for c in configs:
         c.profile()
-        c.alone_ms = replay_ms(record_collectives(c.step, world), world)
+        c.alone_ms = collectives_alone_ms(c.step, dist.get_world_size())
     compute_alone = next(c for c in configs if c.name == COMPUTE)
-    busy = under_traffic_ms(
-        compute_alone.step,
-        traffic,
-        world,
-        steps * statistics.median(compute_alone.times),
-        link_bytes_per_s(link),
-    )
+    busy = compute_busy_ms(compute_alone.step, compute_alone.times, traffic, link)
     elements = sum(p.numel() for p in configs[0].net.parameters())
     wire, wire_cpu = wire_ms(elements, torch.bfloat16)
     fwd, first = first_gradient_ms(model)

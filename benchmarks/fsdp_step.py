@@ -57,7 +57,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
-from achievable import TRAFFIC_ROW, achievable_ms, record_collectives, replay_ms, under_traffic_ms
+from achievable import TRAFFIC_ROW, achievable_ms, compute_busy_ms, record_collectives, replay_ms
 from launch import (
     add_link_argument,
     describe_link,
@@ -243,9 +243,7 @@ def run_model(
             c.step()
             c.times.append(time.perf_counter() - t0)
     rate = link_bytes_per_s(link)
-    busy = under_traffic_ms(
-        configs[-1].step, traffic, world, steps * statistics.median(configs[-1].times), rate
-    )
+    busy = compute_busy_ms(configs[-1].step, configs[-1].times, traffic, link)
     if rank != 0:
         return None
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}

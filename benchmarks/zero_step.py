@@ -55,12 +55,11 @@ import results
 from achievable import (
     TRAFFIC_ROW,
     achievable_ms,
-    record_collectives,
-    replay_ms,
-    under_traffic_ms,
+    collectives_alone_ms,
+    compute_busy_ms,
     vs_achievable,
 )
-from launch import add_link_argument, describe_link, launch, link_bytes_per_s
+from launch import add_link_argument, describe_link, launch
 from train_ddp import TinyTransformer, batch, loss_fn
 
 import compiled_hooks as ch
@@ -302,17 +301,9 @@ def run(
     # every configuration trains the same model on the same data: how far apart did they end?
     flat = [torch.cat([p.detach().reshape(-1) for p in c.net.parameters()]) for c in configs]
     world = dist.get_world_size()
-    collectives_alone = {
-        c.name: replay_ms(record_collectives(c.step, world), world) for c in configs
-    }
+    collectives_alone = {c.name: collectives_alone_ms(c.step, world) for c in configs}
     compute = next(c for c in configs if c.name == COMPUTE)
-    busy = under_traffic_ms(
-        compute.step,
-        traffic,
-        world,
-        steps * statistics.median(compute.times),
-        link_bytes_per_s(link),
-    )
+    busy = compute_busy_ms(compute.step, compute.times, traffic, link)
     tables = [
         kernel_table(c, profile(c.step, 10), 10) for c in configs if profiled and c.name in PROFILED
     ]
