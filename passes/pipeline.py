@@ -56,12 +56,12 @@ __all__ = ["Pipeline", "default_pipeline", "install", "KEEP_SCHEDULE"]
 log = logging.getLogger("passes")
 
 GraphPass = Callable[..., bool]
-# The Inductor options install() sets (and restores): its communication scheduling, which keeps
-# the waits where schedule_collectives put them, without its peak-memory ordering, which would
-# move them (and a ZeRO backward's collectives).
+# The Inductor options install() sets (and restores): its communication scheduling on with no
+# reordering pass, and its peak-memory ordering off, so the generated code runs the nodes in the
+# order the passes left (fusion aside).
 KEEP_SCHEDULE = {
     "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
+    "reorder_for_compute_comm_overlap_passes": [],
     "reorder_for_peak_memory": False,
 }
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -319,14 +319,19 @@ class install:
     restores them on exit (``KEEP_SCHEDULE``):
 
     * ``reorder_for_compute_comm_overlap = True`` with
-      ``reorder_for_compute_comm_overlap_passes = ["sink_waits"]``: waits stay late;
+      ``reorder_for_compute_comm_overlap_passes = []``: no reordering pass runs;
     * ``reorder_for_peak_memory = False``: that ordering moves every wait right after its
       collective, and in a ZeRO backward every collective after the whole backward compute.
 
-    Inductor's ``raise_comms`` is not used: it would issue collectives ahead of nodes they do
-    not depend on, the rank guard's check among them. With the guard, the context manager also
-    re-raises the error of a rank that was blocked in a collective when another rank found the
-    divergence (the backend's "connection closed" or timeout) as that ``RankDivergenceError``.
+    Inductor's own passes are not used. ``sink_waits`` schedules every wait after every node
+    that does not read it: it issues all of a ``data_parallel`` forward's gathers before the
+    first block computes, and holds an interleaved ZeRO step's broadcasts, and every collective
+    after them, to the end of the backward. ``raise_comms`` issues collectives ahead of nodes
+    they do not depend on, the rank guard's check among them.
+
+    With the guard, the context manager also re-raises the error of a rank that was blocked in a
+    collective when another rank found the divergence (the backend's "connection closed" or
+    timeout) as that ``RankDivergenceError``.
     """
 
     def __init__(

@@ -28,9 +28,9 @@ For two layers' gradients of a compiled DDP backward::
     copy_(grad1, o1); copy_(grad2, o2)     copy_(grad1, o1); copy_(grad2, o2)
 
 Only collectives, waits and those pure post ops move, so values are unchanged; linear in the
-graph's nodes. Inductor's scheduler reorders nodes again (its peak-memory ordering puts each
-wait right after its collective); :func:`passes.install` therefore turns that ordering off and
-turns on Inductor's own ``sink_waits`` scheduling pass, which keeps the waits late.
+graph's nodes. Inductor's scheduler would reorder nodes again (its peak-memory ordering puts
+each wait right after its collective, its ``sink_waits`` after every node that does not read
+it); :func:`passes.install` turns both off, so the generated code keeps this order.
 """
 
 from __future__ import annotations

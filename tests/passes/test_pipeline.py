@@ -259,10 +259,10 @@ def test_install_keeps_the_communication_schedule_unless_the_process_set_its_own
     assert inductor_config.reorder_for_peak_memory
     with install():
         assert inductor_config.reorder_for_compute_comm_overlap
-        assert inductor_config.reorder_for_compute_comm_overlap_passes == ["sink_waits"]
+        assert inductor_config.reorder_for_compute_comm_overlap_passes == []
         assert not inductor_config.reorder_for_peak_memory
         with install(Pipeline([fold_collective_scaling])):
-            assert inductor_config.reorder_for_compute_comm_overlap_passes == ["sink_waits"]
+            assert inductor_config.reorder_for_compute_comm_overlap_passes == []
         assert inductor_config.reorder_for_compute_comm_overlap
     assert not inductor_config.reorder_for_compute_comm_overlap
     assert inductor_config.reorder_for_compute_comm_overlap_passes == []
