@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import os
 import sys
 from collections.abc import Callable
@@ -235,6 +236,36 @@ def is_quantized(collective: Node) -> bool:
 def block_of(node: Node) -> str | None:
     """The ``data_parallel`` block a collective belongs to, if it is marked with one."""
     return node.meta.get("custom", {}).get(BLOCK)
+
+
+def is_alias(node: Node) -> bool:
+    """``node``'s output shares memory with its first input (a view, a piece of a split, or a
+    collective's wait)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is WAIT or target is operator.getitem:
+        return True
+    schema = getattr(target, "_schema", None)
+    return (
+        schema is not None
+        and bool(schema.returns)
+        and schema.returns[0].alias_info is not None
+        and not schema.returns[0].alias_info.is_write
+    )
+
+
+def returned(node: Node) -> bool:
+    """The graph returns ``node``'s result or a view of it (a forward saving it for backward):
+    it stays alive to the graph's end, wherever the graph computes it."""
+    frontier = [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op == "output":
+                return True
+            if is_alias(user):
+                frontier.append(user)
+    return False
 
 
 def input_cone(collective: Node) -> list[Node]:

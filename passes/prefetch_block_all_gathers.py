@@ -1,5 +1,5 @@
 """prefetch_block_all_gathers: each ``data_parallel`` block's all-gather goes out while the
-block ``prefetch_depth`` before it computes, and no earlier.
+block ``prefetch_depth`` before it computes, and no earlier, unless the graph keeps its result.
 
 After ``schedule_collectives`` every all-gather stands right after its inputs (the parameters:
 the top of the graph) and its wait right before its block's first use. Issued all at once, the
@@ -25,10 +25,18 @@ that gathers again it is the same in reverse block order. With depth 1::
 When block ``j`` computes, the blocks before it are done with their gathered parameters (the
 graph frees them after their last use, with ``reshard_after_forward``) and ``j + 1 .. j +
 prefetch_depth`` are in flight: at most ``prefetch_depth + 1`` blocks' gathered parameters are
-alive at once, besides what the graph itself keeps. Every wait stays right before its first use. An
-all-gather whose inputs are not ready at its
-slot stays where it is (counted). The order of collectives follows from the graph alone, the
-same on every rank; a second run finds every all-gather in its slot.
+alive at once, besides what the graph itself keeps. Every wait stays right before its first use.
+
+An all-gather whose result the graph returns (a forward keeping its gathered parameters for
+backward, without ``reshard_after_forward``) lives to the graph's end wherever it goes out, so
+it is not held back: it stays where ``schedule_collectives`` left it, right after its inputs,
+and the wire never waits for a block's compute (on gloo, whose two worker threads run two
+collectives at once, a gather issued one block ahead ends with the one before it, and the link
+is idle while the block computes). The depth counts the other all-gathers only.
+
+An all-gather whose inputs are not ready at its slot stays where it is (counted). The order of
+collectives follows from the graph alone, the same on every rank; a second run finds every
+all-gather in its slot.
 """
 
 from __future__ import annotations
@@ -37,7 +45,17 @@ import dataclasses
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, WAIT, block_of, check_graph, input_cone, is_op, record
+from ._graph import (
+    ALL_GATHER,
+    WAIT,
+    block_of,
+    check_graph,
+    input_cone,
+    is_alias,
+    is_op,
+    record,
+    returned,
+)
 from .interface import graph_pass
 
 __all__ = ["prefetch_block_all_gathers", "Options"]
@@ -47,6 +65,23 @@ PASS = "prefetch_block_all_gathers"
 
 def _wait(ag: Node) -> Node:
     return next(iter(ag.users))
+
+
+def _to_move(ag: Node, slot: Node, order: dict[Node, int]) -> list[Node] | None:
+    """``ag``, its input cone and the views they read that come after ``slot`` (a parameter's
+    view the graph also returns for backward is not in the cone), in graph order: what moves for
+    ``ag`` to go out right before ``slot``; None when anything else they read comes after it."""
+    moving = set(input_cone(ag)) | {ag}
+    frontier = list(moving)
+    while frontier:
+        for i in frontier.pop().all_input_nodes:
+            if i in moving or order[i] < order[slot]:
+                continue
+            if not is_alias(i):
+                return None
+            moving.add(i)
+            frontier.append(i)
+    return sorted(moving, key=order.__getitem__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,23 +108,36 @@ def prefetch_block_all_gathers(graph: Graph, prefetch_depth: int = 1) -> bool:
         and len(n.users) == 1
         and is_op(_wait(n), (WAIT,))
     ]
+    if not ags:
+        return False
     ags.sort(key=lambda ag: order[_wait(ag)])
+    first_wait = _wait(ags[0])
+    limited = [ag for ag in ags if not returned(ag)]
+    depth = {ag: j for j, ag in enumerate(limited)}
     changed = False
-    for j, ag in enumerate(ags):
-        slot = _wait(ags[max(j - prefetch_depth, 0)])
-        if j < prefetch_depth and order[ag] < order[slot]:
-            continue  # the first ones go out anywhere before the first wait
-        if slot.prev is ag:  # already in its slot
-            continue
-        cone = sorted(input_cone(ag), key=order.__getitem__)
-        moving = set(cone) | {ag}
-        outside = [i for n in cone + [ag] for i in n.all_input_nodes if i not in moving]
-        if any(order[i] >= order[slot] for i in outside):
+    for ag in ags:
+        j = depth.get(ag)
+        if j is None or j < prefetch_depth:  # kept, or one of the first: before the first wait
+            slot = first_wait if j is None else _wait(limited[0])
+            if order[ag] < order[slot]:
+                continue
+        else:
+            slot = _wait(limited[j - prefetch_depth])
+            if slot.prev is ag:  # already in its slot
+                continue
+        moving = _to_move(ag, slot, order)
+        if moving is None:
             record(PASS, "skipped: inputs not ready at the prefetch slot", ag)
             continue
-        for n in cone + [ag]:
+        for n in moving:
             slot.prepend(n)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        record(PASS, f"all_gather issued {prefetch_depth} block(s) ahead", ag)
+        record(
+            PASS,
+            "all_gather kept by the graph issued first"
+            if j is None
+            else f"all_gather issued {prefetch_depth} block(s) ahead",
+            ag,
+        )
         changed = True
     return changed

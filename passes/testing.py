@@ -24,7 +24,6 @@ their bytes are alive after each node.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +34,7 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ._graph import is_alias
 from .graph_text import graph_diff, graph_str
 
 __all__ = [
@@ -127,22 +127,7 @@ def partitioned_graphs(
     return graphs
 
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
-
-
-def _aliases(node: torch.fx.Node) -> bool:
-    """``node``'s output shares memory with its first input (a view, or a collective's wait)."""
-    target = node.target
-    if target is _WAIT or target is operator.getitem:  # a piece of a split is a view
-        return True
-    schema = getattr(target, "_schema", None)
-    return (
-        schema is not None
-        and bool(schema.returns)
-        and schema.returns[0].alias_info is not None
-        and not schema.returns[0].alias_info.is_write
-    )
 
 
 def gathered_bytes_alive(graph: torch.fx.Graph) -> list[int]:
@@ -160,7 +145,7 @@ def gathered_bytes_alive(graph: torch.fx.Graph) -> list[int]:
             n = frontier.pop()
             for user in n.users:
                 last = max(last, index[user] if user.op != "output" else len(nodes) - 1)
-                if user.op == "call_function" and _aliases(user):
+                if is_alias(user):
                     frontier.append(user)
         v = node.meta["val"]
         for i in range(index[node], last + 1):

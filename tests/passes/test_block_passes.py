@@ -309,6 +309,92 @@ return sin_2""",
         with pytest.raises(ValueError, match="prefetch_depth must be an int >= 1"):
             prefetch_block_all_gathers(self.graph().graph, prefetch_depth=0)
 
+    def test_a_gather_the_graph_returns_goes_out_first(self):
+        """Block "b"'s gathered parameters are returned (kept for backward): alive to the end
+        anyway, its all-gather goes out before the first wait; "a", "c" and "d" keep depth 1
+        among themselves ("c" while "a" computes, "d" while "c" does)."""
+        _ = trace(lambda: None, world_size=2)
+        gm = mark(trace(kept_fn, *(torch.randn(4) for _ in range(4)), world_size=2), ["a", "b", "c", "d"])
+        schedule_collectives(gm.graph)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, prefetch_block_all_gathers)
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
+a_1: f32[4] = input
+b_1: f32[4] = input
+c_1: f32[4] = input
+d_1: f32[4] = input
+all_gather_into_tensor: f32[8] = c10d.all_gather_into_tensor(a_1, 2, group(size=2))
+all_gather_into_tensor_1: f32[8] = c10d.all_gather_into_tensor(b_1, 2, group(size=2))
+all_gather_into_tensor_2: f32[8] = c10d.all_gather_into_tensor(c_1, 2, group(size=2))
+wait_tensor: f32[8] = c10d.wait_tensor(all_gather_into_tensor)
+sin: f32[8] = aten.sin(wait_tensor)
+wait_tensor_1: f32[8] = c10d.wait_tensor(all_gather_into_tensor_1)
+mul: f32[8] = aten.mul(sin, wait_tensor_1)
+sin_1: f32[8] = aten.sin(mul)
+all_gather_into_tensor_3: f32[8] = c10d.all_gather_into_tensor(d_1, 2, group(size=2))
+wait_tensor_2: f32[8] = c10d.wait_tensor(all_gather_into_tensor_2)
+mul_1: f32[8] = aten.mul(sin_1, wait_tensor_2)
+sin_2: f32[8] = aten.sin(mul_1)
+wait_tensor_3: f32[8] = c10d.wait_tensor(all_gather_into_tensor_3)
+mul_2: f32[8] = aten.mul(sin_2, wait_tensor_3)
+sin_3: f32[8] = aten.sin(mul_2)
+return [sin_3, wait_tensor_1]""",
+        )
+        self.assertTrue(check_rewrite("prefetch_block_all_gathers", before, gm.graph))
+
+
+def kept_fn(a, b, c, d):
+    """Four blocks, each gathered right before its use; the graph returns block "b"'s gathered
+    value, as a forward without ``reshard_after_forward`` returns what backward reads."""
+    g = dist.group.WORLD
+    x = torch.sin(all_gather_single(a, 0, g))
+    fb = all_gather_single(b, 0, g)
+    x = torch.sin(x * fb)
+    x = torch.sin(x * all_gather_single(c, 0, g))
+    return torch.sin(x * all_gather_single(d, 0, g)), fb
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_data_parallel_forward_gathers_one_block_ahead_or_all_first(reshard):
+    """data_parallel's partitioned forward of an MLP (fp32, 2 fake ranks): resharding, each
+    block's gather goes out one block ahead (the shard views the graph also saves for the
+    backward's re-gather move up with it); keeping the gathered parameters, every gather goes
+    out before the first wait."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch._dynamo.utils import counters
+
+    from compiled_hooks.fsdp import data_parallel
+    from passes.testing import fake_process_group
+    from tests.graphs import data_parallel_graphs
+
+    fake_process_group(2)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        *[m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())]
+    )
+    blocks = [m for m in net if isinstance(m, torch.nn.Linear)]
+    model = data_parallel(
+        net, init_device_mesh("cpu", (2,)), reshard_after_forward=reshard, blocks=blocks
+    )
+    (kind, gm), *_ = data_parallel_graphs(model, torch.randn(8, 64))
+    assert kind == "forward"
+    counters["passes"].clear()
+    for graph_pass in (
+        bucket_block_all_gathers,
+        schedule_collectives,
+        prefetch_block_all_gathers,
+    ):
+        graph_pass(gm.graph)
+    order = "".join(
+        "G" if n.target is ALL_GATHER else "w" if "wait" in str(n.target) else "m"
+        for n in gm.graph.nodes
+        if n.target is ALL_GATHER or "wait" in str(n.target) or "addmm" in str(n.target)
+    )
+    assert order == ("GGwmGwmGwmwm" if reshard else "GGGGwmwmwmwm"), order
+    assert not [k for k in counters["passes"] if "skipped" in k], dict(counters["passes"])
+
 
 def test_data_parallel_graphs_one_collective_per_block_and_bounded_memory():
     """The passes on data_parallel's partitioned forward and backward (reshard_after_forward,
