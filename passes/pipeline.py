@@ -31,7 +31,7 @@ from compiled_hooks import compat
 from compiled_hooks.env import env_flag
 from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
-from ._graph import check_graph, is_collective, ranks_on_one_host
+from ._graph import block_of, check_graph, is_collective, ranks_on_one_host
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
@@ -51,17 +51,35 @@ from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from .verify import check_rewrite, copy_graph
 
-__all__ = ["Pipeline", "default_pipeline", "install", "KEEP_SCHEDULE"]
+__all__ = ["Pipeline", "default_pipeline", "install", "KEEP_SCHEDULE", "sink_waits_outside_blocks"]
 
 log = logging.getLogger("passes")
 
 GraphPass = Callable[..., bool]
-# The Inductor options install() sets (and restores): its communication scheduling on with no
-# reordering pass, and its peak-memory ordering off, so the generated code runs the nodes in the
-# order the passes left (fusion aside).
+
+
+def sink_waits_outside_blocks(snodes: list[Any]) -> list[Any]:
+    """The Inductor scheduling pass ``install()`` runs: Inductor's ``sink_waits`` (every wait
+    after every node ready without it, so independent compute runs while collectives are in
+    flight), except in a graph that computes ``data_parallel`` blocks, whose order it keeps:
+    there ``sink_waits`` would issue every block's all-gather at the start, whatever the
+    prefetch depth."""
+    from torch._inductor import comms
+
+    for snode in snodes:
+        for inner in snode.get_nodes():
+            if inner.node is not None and any(
+                block_of(origin) is not None for origin in inner.node.origins
+            ):
+                return snodes
+    return comms.sink_waits(snodes)
+
+
+# The Inductor options install() sets (and restores): its communication scheduling with the pass
+# above, and its peak-memory ordering off.
 KEEP_SCHEDULE = {
     "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": [],
+    "reorder_for_compute_comm_overlap_passes": [sink_waits_outside_blocks],
     "reorder_for_peak_memory": False,
 }
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -319,15 +337,15 @@ class install:
     restores them on exit (``KEEP_SCHEDULE``):
 
     * ``reorder_for_compute_comm_overlap = True`` with
-      ``reorder_for_compute_comm_overlap_passes = []``: no reordering pass runs;
+      ``reorder_for_compute_comm_overlap_passes = [sink_waits_outside_blocks]``: Inductor's
+      ``sink_waits``, but not in a ``data_parallel`` graph (see the function);
     * ``reorder_for_peak_memory = False``: that ordering moves every wait right after its
       collective, and in a ZeRO backward every collective after the whole backward compute.
 
-    Inductor's own passes are not used. ``sink_waits`` schedules every wait after every node
-    that does not read it: it issues all of a ``data_parallel`` forward's gathers before the
-    first block computes, and holds an interleaved ZeRO step's broadcasts, and every collective
-    after them, to the end of the backward. ``raise_comms`` issues collectives ahead of nodes
-    they do not depend on, the rank guard's check among them.
+    ``sink_waits`` also holds an interleaved ZeRO step's broadcasts, and every collective after
+    them, to the end of the backward (Inductor issues collectives in the graph's order).
+    Inductor's ``raise_comms`` is not used: it issues collectives ahead of nodes they do not
+    depend on, the rank guard's check among them.
 
     With the guard, the context manager also re-raises the error of a rank that was blocked in a
     collective when another rank found the divergence (the backend's "connection closed" or

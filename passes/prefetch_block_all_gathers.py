@@ -1,9 +1,9 @@
 """prefetch_block_all_gathers: each ``data_parallel`` block's all-gather goes out while the
 block ``prefetch_depth`` before it computes, and no earlier, unless the graph keeps its result.
 
-After ``schedule_collectives`` every all-gather stands right after its inputs (the parameters:
-the top of the graph) and its wait right before its block's first use. Issued all at once, the
-gathered parameters of every block would be alive together. This pass orders the marked
+``schedule_collectives`` leaves these all-gathers where they are and moves each wait right
+before its block's first use. Issued all at once, the gathered parameters of every block would
+be alive together; issued right before their waits, none would overlap. This pass orders the marked
 all-gathers (``node.meta["custom"]["data_parallel_block"]``) by the first use of their result,
 and moves the ``j``-th, with the nodes that feed only it (the bucket's ``cat`` and casts), to
 just before the wait of the ``(j - prefetch_depth)``-th; the first ``prefetch_depth`` stay
@@ -29,10 +29,13 @@ alive at once, besides what the graph itself keeps. Every wait stays right befor
 
 An all-gather whose result the graph returns (a forward keeping its gathered parameters for
 backward, without ``reshard_after_forward``) lives to the graph's end wherever it goes out, so
-it is not held back: it stays where ``schedule_collectives`` left it, right after its inputs,
-and the wire never waits for a block's compute (on gloo, whose two worker threads run two
-collectives at once, a gather issued one block ahead ends with the one before it, and the link
-is idle while the block computes). The depth counts the other all-gathers only.
+it is not held back: it goes out before the first wait, and the depth counts only the others.
+On gloo, whose two worker threads run two collectives at once, a gather issued one block ahead
+ends together with the one before it, and the link idles while the block computes.
+
+The views of parameters an all-gather reads move up with it when they come after its slot (a
+resharding forward also returns them, for the backward's re-gather, so they are not in its
+input cone).
 
 An all-gather whose inputs are not ready at its slot stays where it is (counted). The order of
 collectives follows from the graph alone, the same on every rank; a second run finds every

@@ -28,9 +28,10 @@ For two layers' gradients of a compiled DDP backward::
     copy_(grad1, o1); copy_(grad2, o2)     copy_(grad1, o1); copy_(grad2, o2)
 
 Only collectives, waits and those pure post ops move, so values are unchanged; linear in the
-graph's nodes. Inductor's scheduler would reorder nodes again (its peak-memory ordering puts
-each wait right after its collective, its ``sink_waits`` after every node that does not read
-it); :func:`passes.install` turns both off, so the generated code keeps this order.
+graph's nodes. Inductor's scheduler reorders nodes again (its peak-memory ordering puts each
+wait right after its collective); :func:`passes.install` turns that ordering off and runs
+Inductor's ``sink_waits``, which keeps the waits late, on every graph but a ``data_parallel``
+one (:func:`passes.pipeline.sink_waits_outside_blocks`).
 """
 
 from __future__ import annotations

@@ -314,7 +314,9 @@ return sin_2""",
         anyway, its all-gather goes out before the first wait; "a", "c" and "d" keep depth 1
         among themselves ("c" while "a" computes, "d" while "c" does)."""
         _ = trace(lambda: None, world_size=2)
-        gm = mark(trace(kept_fn, *(torch.randn(4) for _ in range(4)), world_size=2), ["a", "b", "c", "d"])
+        gm = mark(
+            trace(kept_fn, *(torch.randn(4) for _ in range(4)), world_size=2), ["a", "b", "c", "d"]
+        )
         schedule_collectives(gm.graph)
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, prefetch_block_all_gathers)
@@ -362,8 +364,8 @@ def test_data_parallel_forward_gathers_one_block_ahead_or_all_first(reshard):
     block's gather goes out one block ahead (the shard views the graph also saves for the
     backward's re-gather move up with it); keeping the gathered parameters, every gather goes
     out before the first wait."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
 
     from compiled_hooks.fsdp import data_parallel
     from passes.testing import fake_process_group

@@ -17,6 +17,7 @@ from passes import (
     fuse_collective_casts,
     install,
 )
+from passes.pipeline import sink_waits_outside_blocks
 from passes.testing import fake_process_group
 from tests.graphs import hook_fn
 
@@ -259,10 +260,14 @@ def test_install_keeps_the_communication_schedule_unless_the_process_set_its_own
     assert inductor_config.reorder_for_peak_memory
     with install():
         assert inductor_config.reorder_for_compute_comm_overlap
-        assert inductor_config.reorder_for_compute_comm_overlap_passes == []
+        assert inductor_config.reorder_for_compute_comm_overlap_passes == [
+            sink_waits_outside_blocks
+        ]
         assert not inductor_config.reorder_for_peak_memory
         with install(Pipeline([fold_collective_scaling])):
-            assert inductor_config.reorder_for_compute_comm_overlap_passes == []
+            assert inductor_config.reorder_for_compute_comm_overlap_passes == [
+                sink_waits_outside_blocks
+            ]
         assert inductor_config.reorder_for_compute_comm_overlap
     assert not inductor_config.reorder_for_compute_comm_overlap
     assert inductor_config.reorder_for_compute_comm_overlap_passes == []
