@@ -116,6 +116,7 @@ def _pending_worker(rank, world_size):
     return {name: _train(name, rank, 3, watch_step=2)[1] for name in PENDING}
 
 
+@pytest.mark.slow  # a rank is held back on purpose: seconds of waiting
 def test_hooks_return_pending_futures_while_a_rank_is_held_back():
     """Rank 1 starts its backward a second late (PowerSGD compressing by then): every hook call
     on rank 0 returns a future that is not done, since rank 1 has not sent its part yet. A hook

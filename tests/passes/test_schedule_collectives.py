@@ -4,6 +4,7 @@ data_parallel forward prefetching one block ahead."""
 
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -170,6 +171,7 @@ def _call(codes: list[str], pattern: str) -> str:
     return code[code.index("def call(") :]
 
 
+@pytest.mark.slow  # an Inductor compile; test_block_passes pins the FX order in the fast tier
 def test_compiled_data_parallel_forward_gathers_one_block_ahead():
     """Inductor's generated forward of ``data_parallel`` (resharding): before block k's matmul
     at most blocks k and k + 1 have been gathered (``prefetch_block_all_gathers``' depth 1),
