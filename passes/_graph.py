@@ -255,17 +255,21 @@ def is_alias(node: Node) -> bool:
     )
 
 
+def aliases(node: Node) -> list[Node]:
+    """``node`` and every node whose output shares its memory (views of it, views of those)."""
+    found, frontier = [node], [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if is_alias(user) and user not in found:
+                found.append(user)
+                frontier.append(user)
+    return found
+
+
 def returned(node: Node) -> bool:
     """The graph returns ``node``'s result or a view of it (a forward saving it for backward):
     it stays alive to the graph's end, wherever the graph computes it."""
-    frontier = [node]
-    while frontier:
-        for user in frontier.pop().users:
-            if user.op == "output":
-                return True
-            if is_alias(user):
-                frontier.append(user)
-    return False
+    return any(user.op == "output" for n in aliases(node) for user in n.users)
 
 
 def input_cone(collective: Node) -> list[Node]:

@@ -34,7 +34,7 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ._graph import is_alias
+from ._graph import aliases
 from .graph_text import graph_diff, graph_str
 
 __all__ = [
@@ -140,13 +140,14 @@ def gathered_bytes_alive(graph: torch.fx.Graph) -> list[int]:
     for node in nodes:
         if node.op != "call_function" or node.target not in _GATHERS:
             continue
-        last, frontier = index[node], [node]
-        while frontier:
-            n = frontier.pop()
-            for user in n.users:
-                last = max(last, index[user] if user.op != "output" else len(nodes) - 1)
-                if is_alias(user):
-                    frontier.append(user)
+        last = max(
+            (
+                index[user] if user.op != "output" else len(nodes) - 1
+                for n in aliases(node)
+                for user in n.users
+            ),
+            default=index[node],
+        )
         v = node.meta["val"]
         for i in range(index[node], last + 1):
             alive[i] += v.numel() * v.element_size()

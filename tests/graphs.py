@@ -121,6 +121,14 @@ def zero_optimizer(
     return ZeroOptimizer(params, optimizer, shard_buckets=shard_buckets, lr=0.1, **kw)
 
 
+def mlp(layers: int = 4) -> torch.nn.Sequential:
+    """``layers`` x (Linear(64, 64), ReLU), seeded: the small model of the schedule tests."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *[m for _ in range(layers) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())]
+    )
+
+
 def data_parallel_graphs(model, tokens) -> list[tuple[str, torch.fx.GraphModule]]:
     """The partitioned graphs of one step of ``torch.compile(model, fullgraph=True)`` (a
     ``data_parallel`` module, on the fake process group it was sharded on): ``("forward", gm)``,

@@ -369,13 +369,10 @@ def test_data_parallel_forward_gathers_one_block_ahead_or_all_first(reshard):
 
     from compiled_hooks.fsdp import data_parallel
     from passes.testing import fake_process_group
-    from tests.graphs import data_parallel_graphs
+    from tests.graphs import data_parallel_graphs, mlp
 
     fake_process_group(2)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        *[m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())]
-    )
+    net = mlp()
     blocks = [m for m in net if isinstance(m, torch.nn.Linear)]
     model = data_parallel(
         net, init_device_mesh("cpu", (2,)), reshard_after_forward=reshard, blocks=blocks

@@ -16,7 +16,7 @@ from passes import fold_collective_scaling, schedule_collectives
 from passes.schedule_collectives import schedule_problems
 from passes.testing import fake_process_group, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
-from tests.graphs import ddp_args, ddp_fn
+from tests.graphs import ddp_args, ddp_fn, mlp
 from tests.passcase import PassTestCase
 
 
@@ -120,6 +120,12 @@ return [add, add_1, mm]""",
         self.assertEqual(graph_str(graph), text)
 
 
+def _call(codes: list[str], pattern: str) -> str:
+    """The ``call`` function of the first generated module that matches ``pattern``."""
+    code = next(c for c in codes if re.search(pattern, c))
+    return code[code.index("def call(") :]
+
+
 def _code_positions(code: str, pattern: str) -> list[int]:
     """The lines of ``code`` that run what ``pattern`` matches (not its output's size checks)."""
     return [
@@ -134,8 +140,7 @@ def test_compiled_ddp_backward_overlaps_every_bucket_but_the_last():
     issued before the last gradient matmul, and every wait comes after it (in a DDP backward no
     gradient depends on a bucket's result, so any earlier wait would stall unrelated work)."""
     fake_process_group(2)  # removed after the test (conftest)
-    torch.manual_seed(0)
-    net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU())])
+    net = mlp()
     _, model = ch.compile_ddp(net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook)
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
@@ -151,24 +156,13 @@ def test_compiled_ddp_backward_overlaps_every_bucket_but_the_last():
     from torch._inductor.utils import run_and_get_code
 
     _, codes = run_and_get_code(step)
-    backward = next(c for c in codes if "all_reduce_" in c)
-    call = backward[backward.index("def call(") :]
+    call = _call(codes, "all_reduce_")
     issues = _code_positions(call, r"_c10d_functional\.all_reduce_\.")
     waits = _code_positions(call, r"_c10d_functional\.wait_tensor\.")
     grads = _code_positions(call, r"extern_kernels\.(addmm|mm)\(")
     assert len(issues) >= 3, call  # several buckets, or nothing to overlap
     assert all(i < grads[-1] for i in issues[:-1]), call
     assert min(waits) > grads[-1], call
-
-
-def _mlp(layers: int = 4) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(64, 64), nn.ReLU())])
-
-
-def _call(codes: list[str], pattern: str) -> str:
-    code = next(c for c in codes if re.search(pattern, c))
-    return code[code.index("def call(") :]
 
 
 @pytest.mark.slow  # an Inductor compile; test_block_passes pins the FX order in the fast tier
@@ -181,7 +175,7 @@ def test_compiled_data_parallel_forward_gathers_one_block_ahead():
     from compiled_hooks.fsdp import data_parallel
 
     fake_process_group(2)
-    net = _mlp()
+    net = mlp()
     blocks = [m for m in net if isinstance(m, nn.Linear)]
     model = data_parallel(
         net, init_device_mesh("cpu", (2,)), reshard_after_forward=True, blocks=blocks
