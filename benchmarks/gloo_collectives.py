@@ -2,11 +2,12 @@
 
     python benchmarks/gloo_collectives.py --link 2gbit  # 2 ranks, a 2 Gbit/s link (root, ip, tc)
 
-For tensors of 8 and 16 MB of bf16 (the full size: an all-gather's output, every other
-collective's input): all_reduce, the functional reduce_scatter_tensor, all_gather_into_tensor and
-all_to_all_single as traced graphs issue them, the all_to_all also in pieces of at most
-``ALL_TO_ALL_CHUNK_BYTES`` per destination, all in flight at once (as the passes' gloo rewrites
-send it), and ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` as FSDP2 does.
+For tensors of ``--sizes-mb`` (default 8 and 16) MB of bf16 (the full size: an all-gather's
+output, every other collective's input): all_reduce, the functional reduce_scatter_tensor,
+all_gather_into_tensor and all_to_all_single as traced graphs issue them, the all_to_all also
+in pieces of at most ``--chunk-kib`` per destination (default ``ALL_TO_ALL_CHUNK_BYTES``; one
+row per size given), all in flight at once (as the passes' gloo rewrites send it), and
+``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` as FSDP2 does.
 Medians of ``--reps`` back-to-back runs, each after a barrier. The ideal is each rank sending
 ``(N - 1) / N`` of the full size at the link's rate (twice that for a ring all_reduce). The
 passes' gloo rules (``all_gather_as_all_to_all``, ``reduce_scatter_as_all_to_all``, their
@@ -31,18 +32,18 @@ from launch import add_link_argument, describe_link, launch, link_bytes_per_s, m
 from passes._graph import ALL_TO_ALL_CHUNK_BYTES, chunk_bounds
 
 
-def _all_to_all_in_pieces(full: torch.Tensor, world: int, group) -> None:
+def _all_to_all_in_pieces(full: torch.Tensor, world: int, group, chunk_bytes: int) -> None:
     rows = full.view(world, -1)
     pieces = [
         rows[:, lo:hi].contiguous()
-        for lo, hi in chunk_bounds(rows.shape[1], full.element_size(), ALL_TO_ALL_CHUNK_BYTES)
+        for lo, hi in chunk_bounds(rows.shape[1], full.element_size(), chunk_bytes)
     ]
     for handle in [fcol.all_to_all_single(p, None, None, group) for p in pieces]:
         fcol.wait_tensor(handle)
 
 
 def _cases(
-    numel: int, world: int, group: dist.ProcessGroup
+    numel: int, world: int, group: dist.ProcessGroup, chunk_kib: list[int]
 ) -> dict[str, tuple[Callable[[], object], int]]:
     """Each collective over ``numel`` bf16 elements: a call, and how many times its bytes cross
     the link."""
@@ -50,6 +51,13 @@ def _cases(
         torch.ones(numel, dtype=torch.bfloat16),
         torch.ones(numel // world, dtype=torch.bfloat16),
     )
+    pieces = {
+        f"all_to_all_single (functional), pieces of {kib} KiB per destination": (
+            lambda kib=kib: _all_to_all_in_pieces(full, world, group, kib << 10),
+            1,
+        )
+        for kib in chunk_kib
+    }
     return {
         "all_reduce": (lambda: dist.all_reduce(full), 2),
         "reduce_scatter_tensor (functional)": (
@@ -60,11 +68,7 @@ def _cases(
             lambda: fcol.wait_tensor(fcol.all_to_all_single(full, None, None, group)),
             1,
         ),
-        f"all_to_all_single (functional), pieces of {ALL_TO_ALL_CHUNK_BYTES >> 10} KiB per "
-        "destination": (
-            lambda: _all_to_all_in_pieces(full, world, group),
-            1,
-        ),
+        **pieces,
         "all_gather_into_tensor (functional)": (
             lambda: fcol.wait_tensor(fcol.all_gather_tensor(part, 0, group)),
             1,
@@ -86,7 +90,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> bool:
     rows = []
     for mb in args.sizes_mb:
         numel = int(mb * 2**20) // 2 // world * world
-        cases = _cases(numel, world, group)
+        cases = _cases(numel, world, group, args.chunk_kib)
         for name, (fn, passes_over) in cases.items():
             ms = median_ms(fn, args.reps)
             ideal = passes_over * numel * 2 * (world - 1) / world / rate * 1e3 if rate else None
@@ -108,6 +112,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[8, 16])
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument(
+        "--chunk-kib",
+        type=int,
+        nargs="+",
+        default=[ALL_TO_ALL_CHUNK_BYTES >> 10],
+        help="piece sizes (KiB per destination) of the chunked all_to_all rows",
+    )
     add_link_argument(parser)
     parser.set_defaults(world_size=2)
     launch(_worker, parser.parse_args())

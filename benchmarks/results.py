@@ -24,10 +24,22 @@ import time
 from typing import Any
 
 
+def _plot_path(path: str) -> str:
+    """``--plot``'s value, refused while parsing (not after the run) without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise argparse.ArgumentTypeError('needs matplotlib: pip install -e ".[bench]"') from None
+    return path
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     parser.add_argument(
-        "--plot", metavar="PATH", help="draw the results as a PNG (rank 0; needs matplotlib)"
+        "--plot",
+        metavar="PATH",
+        type=_plot_path,
+        help="draw the results as a PNG (rank 0; needs matplotlib)",
     )
 
 

@@ -1,13 +1,16 @@
-"""The benchmarks' launcher: rates it accepts, and why it falls back to loopback."""
+"""The benchmarks' launcher: rates it accepts, and why it falls back to loopback; their output
+arguments."""
 
 import argparse
 import os
 import sys
+import types
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import launch  # noqa: E402
+import results  # noqa: E402
 
 
 @pytest.mark.parametrize("rate", ["2gbit", "500mbit", "100kbit", "1.5gbit", "800bit"])
@@ -48,3 +51,14 @@ def test_a_link_that_cannot_be_made_is_reported_not_run(monkeypatch):
     with pytest.raises(launch.LinkUnavailable, match="ip netns add x: Operation not permitted"):
         launch.run_on_link("2gbit", ["true"])
     assert [c[:3] for c in cleaned] == [["ip", "netns", "del"]] * 2  # whatever was made is removed
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch):
+    parser = argparse.ArgumentParser()
+    results.add_output_arguments(parser)
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    assert parser.parse_args(["--plot", "out.png"]).plot == "out.png"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # its import raises ImportError
+    assert parser.parse_args(["--json", "out.json"]).plot is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--plot", "out.png"])
