@@ -11,6 +11,10 @@ A step that overlaps its communication with its compute fully takes the larger o
 ``vs achievable`` is a step's median divided by that larger one (:func:`achievable_ms`). It is
 a reference for a shaped link: over loopback the traffic runs at 1 GB/s on the ranks' own cores,
 and the compute beside it takes longer than most steps.
+
+The contention is two-way: the collectives too take longer while the cores compute
+(:func:`under_compute_ms`). :func:`contended_ms` combines the four times into the least a step
+can take when overlapping slows both sides by as much as measured.
 """
 
 from __future__ import annotations
@@ -151,6 +155,49 @@ def under_traffic_ms(
         times.append(time.perf_counter() - t0)
     thread.join()
     return statistics.median(times[:-1] or times) * 1e3  # the last step may outlast the traffic
+
+
+def under_compute_ms(
+    calls: list[Call] | None, world: int, compute_step: Callable[[], object], reps: int = 5
+) -> float | None:
+    """:func:`replay_ms` of ``calls`` while a thread of each rank runs ``compute_step()`` (a step
+    issuing no collective) over and over: what the collectives take while the cores compute."""
+    if not calls:
+        return replay_ms(calls, world)
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            compute_step()
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        return replay_ms(calls, world, reps)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def contended_ms(
+    compute_ms: float, compute_busy_ms: float, alone_ms: float | None, alone_busy_ms: float | None
+) -> float | None:
+    """The least time of a step whose compute takes ``compute_ms`` alone and ``compute_busy_ms``
+    with traffic alongside, and whose collectives take ``alone_ms`` alone and ``alone_busy_ms``
+    with compute alongside, if overlap advances each side at its slowed rate: ``x`` ms of
+    overlap do ``x / compute_busy_ms`` of the compute and ``x / alone_busy_ms`` of the
+    collectives, and the rest of each runs alone, so the step takes
+    ``T(x) = compute_ms + alone_ms + x * (1 - compute_ms / compute_busy_ms - alone_ms /
+    alone_busy_ms)`` for ``0 <= x <= min(compute_busy_ms, alone_busy_ms)``: least at the largest
+    ``x`` where the bracket is negative (overlap pays), at ``x = 0`` otherwise. The order the
+    step needs (a block's gather before its compute) is ignored, so no step of this model beats
+    it. None where a time is unknown."""
+    if alone_ms is None or alone_busy_ms is None:
+        return None
+    if alone_ms == 0:
+        return compute_ms
+    gain = 1 - compute_ms / compute_busy_ms - alone_ms / alone_busy_ms
+    return compute_ms + alone_ms + min(0.0, gain) * min(compute_busy_ms, alone_busy_ms)
 
 
 def collectives_alone_ms(step: Callable[[], object], world: int) -> float | None:

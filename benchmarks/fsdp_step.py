@@ -35,7 +35,10 @@ takes them, from a thread of each rank: what the compute costs when the wire is 
 a machine whose ranks share few cores is what overlapping communication makes it cost. The
 column "vs achievable" divides each step by the larger of that row and the configuration's
 collectives alone: what this machine allows the step, if communication and compute overlap
-fully.
+fully. The column "vs two-way contention" accounts for the collectives slowing down too while
+the cores compute: their replay again while a thread of each rank runs the compute alone over
+and over, and ``achievable.contended_ms``, the least step when overlap slows both sides by the
+measured factors.
 """
 
 from __future__ import annotations
@@ -57,7 +60,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
-from achievable import TRAFFIC_ROW, achievable_ms, compute_busy_ms, record_collectives, replay_ms
+from achievable import (
+    TRAFFIC_ROW,
+    achievable_ms,
+    compute_busy_ms,
+    contended_ms,
+    record_collectives,
+    replay_ms,
+    under_compute_ms,
+)
 from launch import (
     add_link_argument,
     describe_link,
@@ -232,9 +243,9 @@ def run_model(
     for c in configs:
         c.step()  # compile
         c.step()
-        calls = record_collectives(c.step, world)
-        c.collectives, c.mb = len(calls), sum(b for *_, b in calls) / 2**20
-        c.alone_ms = replay_ms(calls, world)
+        c.calls = record_collectives(c.step, world)
+        c.collectives, c.mb = len(c.calls), sum(b for *_, b in c.calls) / 2**20
+        c.alone_ms = replay_ms(c.calls, world)
         c.measure_peak()
     for i in range(steps):
         for c in configs[i % len(configs) :] + configs[: i % len(configs)]:
@@ -244,6 +255,8 @@ def run_model(
             c.times.append(time.perf_counter() - t0)
     rate = link_bytes_per_s(link)
     busy = compute_busy_ms(configs[-1].step, configs[-1].times, traffic, link)
+    for c in configs:
+        c.alone_busy_ms = under_compute_ms(c.calls, world, configs[-1].step)
     if rank != 0:
         return None
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
@@ -253,9 +266,9 @@ def run_model(
     print(f"\n### {title}\n")
     print(
         "| configuration | median step (ms) | vs peer | vs bound | vs its collectives alone | "
-        "vs achievable | collectives/step | MB/step | peak gathered MB |"
+        "vs achievable | vs two-way contention | collectives/step | MB/step | peak gathered MB |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     best_keep = min(PEERS_KEEP, key=median.__getitem__)
     rows = []
     for c in configs:
@@ -265,6 +278,7 @@ def run_model(
         wire = c.mb * 2**20 * (world - 1) / world / rate * 1e3 if rate else 0.0
         bound = max(wire, compute)
         achievable = achievable_ms(busy, c.alone_ms)
+        contended = contended_ms(compute, busy, c.alone_ms, c.alone_busy_ms)
         rows.append(
             dict(
                 config=c.name,
@@ -275,6 +289,9 @@ def run_model(
                 vs_alone=median[c.name] / c.alone_ms if c.alone_ms else None,
                 achievable_ms=achievable,
                 vs_achievable=median[c.name] / achievable,
+                alone_busy_ms=c.alone_busy_ms,
+                contended_ms=contended,
+                vs_contended=median[c.name] / contended,
                 collectives=c.collectives,
                 mb=c.mb,
                 peak_gathered_mb=c.peak_mb,
@@ -292,6 +309,9 @@ def run_model(
             vs_alone=None,
             achievable_ms=busy,
             vs_achievable=1.0,
+            alone_busy_ms=0.0,
+            contended_ms=busy,
+            vs_contended=1.0,
             collectives=0,
             mb=0.0,
             peak_gathered_mb=None,
@@ -305,7 +325,8 @@ def run_model(
         print(
             f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_peer']:.2f}x ({r['peer']}) | "
             f"{r['vs_bound']:.2f}x ({r['bound_ms']:.0f} ms) | {alone} | "
-            f"{r['vs_achievable']:.2f}x ({r['achievable_ms']:.0f} ms) | {r['collectives']} | "
+            f"{r['vs_achievable']:.2f}x ({r['achievable_ms']:.0f} ms) | "
+            f"{r['vs_contended']:.2f}x ({r['contended_ms']:.0f} ms) | {r['collectives']} | "
             f"{r['mb']:.1f} | {peak} |"
         )
     print(
@@ -313,7 +334,11 @@ def run_model(
         f"{'the link rate' if rate else 'an unknown rate (loopback: not counted)'}, compute alone "
         f"{compute:.1f} ms); collectives alone: the same collectives issued back to back with "
         "nothing else, the time gloo needs for them here; achievable: the larger of that and "
-        f"{TRAFFIC_ROW!r} ({busy:.1f} ms), what this machine allows the step"
+        f"{TRAFFIC_ROW!r} ({busy:.1f} ms), what this machine allows the step; two-way "
+        "contention: the least step of achievable.contended_ms, from the compute alone, that "
+        "row, its collectives alone and the same with the compute alone running alongside ("
+        + ", ".join(f"{r['alone_busy_ms']:.0f}" for r in rows[:-1])
+        + " ms per row)"
     )
     return results.table(title, rows, ratio="vs_peer", note=f"compute alone {compute:.1f} ms")
 
