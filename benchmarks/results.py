@@ -112,13 +112,13 @@ def write(
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
+    """Draw ``results`` as a PNG at ``path`` (its argument parsed by :func:`_plot_path`, which
+    checks for matplotlib)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit('--plot needs matplotlib: pip install -e ".[bench]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     tables = results["tables"]
     heights = [0.9 + 0.38 * len(t["rows"]) for t in tables]
     fig, axes = plt.subplots(
@@ -164,7 +164,7 @@ def plot(results: dict[str, Any], path: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Redraw a benchmark's PNG from its --json file.")
     parser.add_argument("results")
-    parser.add_argument("png")
+    parser.add_argument("png", type=_plot_path)
     cli = parser.parse_args()
     with open(cli.results) as f:
         plot(json.load(f), cli.png)

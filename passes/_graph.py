@@ -257,13 +257,13 @@ def is_alias(node: Node) -> bool:
 
 def aliases(node: Node) -> list[Node]:
     """``node`` and every node whose output shares its memory (views of it, views of those)."""
-    found, frontier = [node], [node]
+    found, frontier = {node: None}, [node]  # insertion-ordered set
     while frontier:
         for user in frontier.pop().users:
             if is_alias(user) and user not in found:
-                found.append(user)
+                found[user] = None
                 frontier.append(user)
-    return found
+    return list(found)
 
 
 def returned(node: Node) -> bool:
