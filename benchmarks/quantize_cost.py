@@ -37,7 +37,7 @@ import results
 from train_ddp import synchronize
 
 from compiled_hooks.int8_collectives import _scale_bytes, pack, unpack
-from compiled_hooks.quantize import dequantize, quantize
+from compiled_hooks.quantize import dequantize, quantize, to_blocks
 
 BLOCK = 256
 
@@ -58,9 +58,10 @@ def _send_int8_cat(x: torch.Tensor) -> torch.Tensor:
 
 
 def _send_int8_feedback(x: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # as the hook computes it: the residual in the block layout, where each scale is its block's
     y = x + error
     q, scales = quantize(y, BLOCK)
-    return pack(q, scales), y - dequantize(q, scales, y.shape[1])
+    return pack(q, scales), to_blocks(y, BLOCK) - q.float() * scales.unsqueeze(2)
 
 
 def _receive_bf16(rows: torch.Tensor) -> torch.Tensor:

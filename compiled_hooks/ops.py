@@ -13,10 +13,11 @@ rank guard's protocol), the op calls into it.
   (:mod:`compiled_hooks.powersgd`; a graph names its state by the id :func:`register_state`
   gave it). Has a side effect: never dead-code eliminated.
 * ``quantized_error(like, state_id, key, part) -> error`` and
-  ``quantized_keep_error(residual, state_id, key, part)``: the int8 hook's error feedback
-  (:mod:`compiled_hooks.quantized`), read and kept in its state when the graph runs; the read
-  returns a copy (zeros before the first keep), the keep copies ``residual`` into the state.
-  The keep has a side effect.
+  ``quantized_keep_error(residual, state_id, key, part, row, shape)``: the int8 hook's error
+  feedback (:mod:`compiled_hooks.quantized`), read and kept in its state when the graph runs;
+  the read returns a copy (zeros before the first keep), the keep copies ``residual``, given in
+  the block layout its loop computes it in, into the state in ``shape``. The keep has a side
+  effect.
 * ``powersgd_fold_error(error!, grad)``: ``error += grad`` in place, declared as mutating
   ``error`` so that Inductor writes into the error buffer instead of a fresh one.
 * ``check_ranks(record)``: the rank-divergence guard's check at a graph's start
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from . import compat, rank_guard
+from .quantize import from_blocks
 
 __all__ = [
     "group_rank",
@@ -111,13 +113,20 @@ def _(like: torch.Tensor, state_id: int, key: str, part: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("compiled_hooks::quantized_keep_error", mutates_args=())
-def quantized_keep_error(residual: torch.Tensor, state_id: int, key: str, part: int) -> None:
-    """Keep ``residual`` (copied) as the error of ``(key, part)``."""
-    _state(state_id, "int8_compress_hook")._keep_error(key, part, residual)
+def quantized_keep_error(
+    residual: torch.Tensor, state_id: int, key: str, part: int, row: int, shape: list[int]
+) -> None:
+    """Keep ``residual``, in :func:`~compiled_hooks.quantize.to_blocks`'s block layout, as the
+    error of ``(key, part)``: its rows cut to ``row`` elements, the first ``prod(shape)`` in
+    ``shape`` (:func:`~compiled_hooks.quantize.from_blocks`), copied."""
+    error = from_blocks(residual, row, shape)
+    _state(state_id, "int8_compress_hook")._keep_error(key, part, error)
 
 
 @quantized_keep_error.register_fake
-def _(residual: torch.Tensor, state_id: int, key: str, part: int) -> None:
+def _(
+    residual: torch.Tensor, state_id: int, key: str, part: int, row: int, shape: list[int]
+) -> None:
     return None
 
 

@@ -27,10 +27,13 @@ dequantizes to zeros. All functions are pure and traceable (no data-dependent co
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QMAX", "quantize", "dequantize", "check_block_size"]
+__all__ = ["QMAX", "quantize", "dequantize", "to_blocks", "from_blocks", "check_block_size"]
 
 QMAX = 127  # symmetric: -128 is never produced, so negation is exact
 
@@ -47,14 +50,27 @@ def check_block_size(owner: str, block_size: object) -> int:
 def quantize(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D, floating point) -> ``(q, scales)``: int8 ``[rows, blocks, block_size]`` and
     fp32 ``[rows, blocks]``, ``blocks = ceil(n / block_size)`` (see the module docstring)."""
-    rows, n = x.shape
-    pad = -n % block_size
-    blocks = F.pad(x.float(), (0, pad)).view(rows, -1, block_size)
+    blocks = to_blocks(x, block_size)
     scales = blocks.abs().amax(dim=2) / QMAX
     # scale 0 (an all-zero block) divides by 1; a nan scale is carried by the scale itself
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(blocks / divisor.unsqueeze(2)).clamp(-QMAX, QMAX).to(torch.int8)
     return q, scales
+
+
+def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x`` (2-D) in fp32 as ``[rows, blocks, block_size]``, each row zero-padded to whole
+    blocks: the layout of :func:`quantize`'s ``q``, where each element's scale is at its block's
+    index."""
+    rows, n = x.shape
+    return F.pad(x.float(), (0, -n % block_size)).view(rows, -1, block_size)
+
+
+def from_blocks(blocks: torch.Tensor, n: int, shape: Sequence[int]) -> torch.Tensor:
+    """:func:`to_blocks` back: the first ``prod(shape)`` of the rows' first ``n`` elements,
+    flat, in ``shape``."""
+    rows = blocks.shape[0]
+    return blocks.reshape(rows, -1)[:, :n].reshape(-1)[: math.prod(shape)].view(shape)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:

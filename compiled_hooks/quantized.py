@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from . import compat, ops, validation
 from .int8_collectives import all_gather_quantized, pack, reduce_scatter_quantized, unpack
-from .quantize import dequantize, quantize
+from .quantize import dequantize, from_blocks, quantize, to_blocks
 from .quantized_state import SHARD, WORKER, QuantizedState
 
 __all__ = ["QuantizedState", "int8_compress_hook", "reduce_bucket_async"]
@@ -85,19 +85,35 @@ def _residual(x: torch.Tensor, sent: torch.Tensor, folded: torch.Tensor) -> torc
 
 
 def _keep(
+    state: QuantizedState, key: str, part: int, residual: torch.Tensor, row: int, shape: torch.Size
+) -> None:
+    """Keep ``residual``, in the block layout of rows of ``row`` elements, as the error of
+    ``(key, part)``, in ``shape`` (:func:`~compiled_hooks.quantize.from_blocks`)."""
+    if torch.compiler.is_compiling():
+        ops.quantized_keep_error(residual, state._id, key, part, row, list(shape))
+    else:
+        state._keep_error(key, part, from_blocks(residual, row, shape))
+
+
+def _quantize_keeping(
     state: QuantizedState,
     key: str,
     part: int,
     x: torch.Tensor,
-    sent: torch.Tensor,
     folded: torch.Tensor,
-) -> None:
-    """Keep :func:`_residual` of ``x`` as the error of ``(key, part)``."""
-    residual = _residual(x, sent, folded)
-    if torch.compiler.is_compiling():
-        ops.quantized_keep_error(residual, state._id, key, part)
-    else:
-        state._keep_error(key, part, residual)
+    shape: torch.Size,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of the rows ``x`` (``folded``, the rows of the error read, already in
+    them), keeping the residual as the error of ``(key, part)`` in ``shape``.
+
+    The residual stays in the block layout up to the keep, which cuts it to ``shape``: a loop
+    over the blocks indexes every input linearly, where a loop over ``shape`` would find each
+    element's block by a division."""
+    bs = state.block_size
+    q, scales = quantize(x, bs)
+    residual = _residual(to_blocks(x, bs), q.float() * scales.unsqueeze(2), to_blocks(folded, bs))
+    _keep(state, key, part, residual, x.shape[1], shape)
+    return q, scales
 
 
 def _rows(state: QuantizedState, x: torch.Tensor) -> torch.Tensor:
@@ -114,10 +130,8 @@ def _quantize_shard(
     if key is None:
         return quantize(mine.unsqueeze(0), state.block_size)
     folded = _read(state, key, SHARD, mine)
-    y = mine + folded
-    q, scales = quantize(y.unsqueeze(0), state.block_size)
-    _keep(state, key, SHARD, y, dequantize(q, scales, y.numel())[0], folded)
-    return q, scales
+    y = (mine + folded).unsqueeze(0)
+    return _quantize_keeping(state, key, SHARD, y, folded.unsqueeze(0), mine.shape)
 
 
 def int8_compress_hook(
@@ -137,17 +151,17 @@ def int8_compress_hook(
     """
     _check(state, grad, output)
     key = _key(state, param)
-    x = grad.float()
-    folded = None
-    if key is not None:
-        folded = _read(state, key, WORKER, x)
-        x = x + folded
-    rows = _rows(state, x) if output is None else x.reshape(state.world_size, -1)
+    # Flat before any arithmetic: the rows and blocks of a flat tensor are views with linear
+    # indices, where those of an N-d gradient take a division and a modulo per element.
+    x = grad.reshape(-1).float()
+    if key is None:
+        rows = _rows(state, x)
+        q, scales = quantize(rows, state.block_size)
+    else:
+        folded = _read(state, key, WORKER, x.view(grad.shape)).reshape(-1)
+        rows = _rows(state, x + folded)
+        q, scales = _quantize_keeping(state, key, WORKER, rows, _rows(state, folded), grad.shape)
     shard = rows.shape[1]
-    q, scales = quantize(rows, state.block_size)
-    if key is not None and folded is not None:
-        sent = dequantize(q, scales, shard).reshape(-1)[: x.numel()].view(x.shape)
-        _keep(state, key, WORKER, x, sent, folded)
     mine = reduce_scatter_quantized(q, scales, shard, state.process_group) / state.world_size
     if output is not None:
         output.copy_(mine.view(output.shape))

@@ -114,7 +114,7 @@ _SIMULATED: dict[Any, Callable[..., Any]] = {
     # The int8 hook's residuals: never read or kept (it would change the state); a residual of
     # zeros, the same in both graphs.
     QUANTIZED_ERROR: lambda like, state_id, key, part: torch.zeros_like(like),
-    QUANTIZED_KEEP_ERROR: lambda residual, state_id, key, part: None,
+    QUANTIZED_KEEP_ERROR: lambda residual, state_id, key, part, row, shape: None,
 }
 
 

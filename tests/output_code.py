@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["collective_calls", "bucket_writers", "casts_to", "cat_inputs", "quantizes"]
+__all__ = ["collective_calls", "kernels", "bucket_writers", "casts_to", "cat_inputs", "quantizes"]
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''(.*?)'''", re.M | re.S)
 _ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+),.*# alias$", re.M)

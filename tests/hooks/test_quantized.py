@@ -2,6 +2,8 @@
 what rounding drops, residuals through state_dict, non-finite steps, and the hook in DDP (both
 reducers), data_parallel and FSDP2."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -415,3 +417,32 @@ def test_data_parallel_training_with_int8_gathers_ends_within_three_percent_of_b
     for name in ("bf16", "int8"):
         for a, b in zip(ranks[0][name][1], ranks[1][name][1]):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.slow  # an Inductor compile
+def test_error_feedback_residuals_are_computed_block_by_block(fake_pg):
+    """The kernels that write the residuals error feedback keeps index every input linearly:
+    no integer division or modulo per element, which a loop over the gradient's shape needs to
+    find each element's block (and which keeps Inductor's C++ loop from vectorizing)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tests import output_code
+
+    state = ch.QuantizedState(dist.group.WORLD)
+
+    def step(grad):
+        ch.int8_compress_hook(state, grad, param="w")
+        return grad
+
+    _, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), torch.randn(64, 512))
+    residuals = re.findall(
+        r"quantized_keep_error\.default\((?:reinterpret_tensor\()?(buf\d+)", code
+    )
+    assert len(residuals) == 2  # the worker's and the shard's
+    kernels = output_code.kernels(code)
+    for buf in residuals:
+        writers = output_code.bucket_writers(code, buf)
+        assert writers, buf
+        for name in writers:
+            assert "div_floor_integer" not in kernels[name], name
+            assert not re.search(r"\)\s*%\s*static_cast", kernels[name]), name
