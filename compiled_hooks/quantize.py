@@ -69,6 +69,8 @@ def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def from_blocks(blocks: torch.Tensor, n: int, shape: Sequence[int]) -> torch.Tensor:
     """:func:`to_blocks` back: the first ``prod(shape)`` of the rows' first ``n`` elements,
     flat, in ``shape``."""
+    if blocks.numel() == math.prod(shape):  # nothing padded: one view
+        return blocks.view(shape)
     rows = blocks.shape[0]
     return blocks.reshape(rows, -1)[:, :n].reshape(-1)[: math.prod(shape)].view(shape)
 

@@ -7,8 +7,9 @@ compiled DDP backward that is two collectives per parameter; ``data_parallel``'s
 gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pass merges the
 collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
 graph) into buckets of at most ``quantized_bucket_cap_mb``: the members' rows side by side (a
-``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``), one collective, and each
-member reads its columns back::
+``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a member packed by a cat of
+its own, as :func:`compiled_hooks.int8_collectives.pack` does on CPU, gives that cat's inputs,
+so a bucket is one cat), one collective, and each member reads its columns back::
 
     before                                      after
     a1 = all_to_all(p1, None, None, G)          ... p1 and p2 computed ...
@@ -112,6 +113,19 @@ def _buckets(graph: Graph, cap_bytes: float) -> list[list[Node]]:
     return [b for b in done + list(open_.values()) if len(b) > 1]
 
 
+def _pieces(x: Node) -> list[Node]:
+    """What the bucket's cat takes for the member input ``x``: the inputs of a cat along the
+    columns that only the member reads (on CPU a member's rows are packed by one), else ``x``.
+    One cat of all the pieces, not a cat of cats: on CPU each int8 cat is a copy."""
+    if not is_op(x, (aten.cat.default,)) or len(x.users) != 1 or len(x.args) < 2:
+        return [x]
+    parts, dim = x.args[0], x.args[1]
+    if dim not in (1, -1) or not isinstance(parts, (list, tuple)):
+        return [x]
+    nodes = [p for p in parts if isinstance(p, Node)]
+    return nodes if len(nodes) == len(parts) else [x]
+
+
 def _merge(graph: Graph, bucket: list[Node]) -> bool:
     order = {n: i for i, n in enumerate(graph.nodes)}
     target = cast(torch._ops.OpOverload, bucket[0].target)
@@ -135,8 +149,9 @@ def _merge(graph: Graph, bucket: list[Node]) -> bool:
         min(later, key=order.__getitem__) if later else next(iter(graph.find_nodes(op="output")))
     )
 
+    pieces = [p for x in inputs for p in _pieces(x)]
     with graph.inserting_after(anchor):
-        cat = new_node(graph, aten.cat.default, (inputs, 1), name="quantized_bucket_cat")
+        cat = new_node(graph, aten.cat.default, (pieces, 1), name="quantized_bucket_cat")
     with graph.inserting_after(cat):
         coll = new_node(graph, target, (cat, *bucket[0].args[1:]), name="quantized_bucket")
         coll.meta["custom"] = dict(bucket[0].meta.get("custom", {}))  # the block, if any
@@ -156,6 +171,9 @@ def _merge(graph: Graph, bucket: list[Node]) -> bool:
     for m, w in zip(bucket, waits):
         graph.erase_node(w)
         graph.erase_node(m)
+    for x in inputs:
+        if x not in pieces:  # a member's cat, spliced into the bucket's
+            graph.erase_node(x)
     record(PASS, f"bucketed {len(bucket)} int8 {target._schema.name.split('::')[-1]}s", coll)
     return True
 

@@ -22,7 +22,15 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["collective_calls", "kernels", "bucket_writers", "casts_to", "cat_inputs", "quantizes"]
+__all__ = [
+    "collective_calls",
+    "kernels",
+    "bucket_writers",
+    "casts_to",
+    "cat_inputs",
+    "quantizes",
+    "input_types",
+]
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''(.*?)'''", re.M | re.S)
 _ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+),.*# alias$", re.M)
@@ -95,6 +103,14 @@ def cat_inputs(code: str, buffer: str) -> list[str]:
         buffer = renames[buffer]
     m = re.search(rf"^\s*{buffer} = torch\.ops\.aten\.cat\.default\(\[(.*?)\]", body, re.M)
     return re.findall(r"\bbuf\d+\b", m.group(1)) if m else [buffer]
+
+
+def input_types(source: str) -> set[str]:
+    """The element types a kernel's ``source`` reads: its C++ ``const T*`` parameters, or its
+    Triton input pointers (``int32_t``, ``float``, ... / ``i32``, ``fp32``, ...)."""
+    cpp = re.findall(r"const ([\w:]+)\*", source)
+    triton = re.findall(r"'in_ptr\d+': '\*(\w+)'", source)
+    return set(cpp + triton)
 
 
 def quantizes(source: str) -> bool:

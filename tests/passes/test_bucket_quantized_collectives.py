@@ -50,6 +50,21 @@ class TestBucketQuantizedCollectives(PassTestCase):
             self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL, ALL_GATHER])
             self.assertTrue(check_rewrite("test", before, gm.graph))
 
+    def test_members_packed_by_a_cat_are_spliced_into_one_cat(self):
+        """On CPU each member's rows are packed by a cat (scales' bytes, values): the bucket
+        cats those pieces itself, so the graph holds one cat per bucket and no cat of cats."""
+        gm = hook_graph()
+        before = copy_graph(gm.graph)
+        packs = [m.args[0] for m in collectives(gm)]
+        self.assertTrue(all(p.target is torch.ops.aten.cat.default for p in packs))
+        self.assertTrue(bucket_quantized_collectives(gm.graph))
+        for bucket in [m.args[0] for m in collectives(gm)]:
+            self.assertIs(bucket.target, torch.ops.aten.cat.default)
+            self.assertEqual(len(bucket.args[0]), 6)  # 3 members, 2 pieces each
+            self.assertFalse(any(p.target is torch.ops.aten.cat.default for p in bucket.args[0]))
+        self.assertFalse(any(p in gm.graph.nodes for p in packs))  # the members' cats are gone
+        self.assertTrue(check_rewrite("test", before, gm.graph))
+
     def test_reduce_scatter_form(self):
         gm = hook_graph(shapes=((16,), (8,)), reduce_scatter=True)
         before = copy_graph(gm.graph)
