@@ -6,9 +6,10 @@ One gradient of ``--numel`` fp32 elements, as ``--rows`` destination rows (the w
 through what each hook's compiled step computes around its collective, each function compiled
 on its own:
 
-- send: the bf16 cast; int8 ``quantize`` + ``pack`` (blocks of 256, fp32 scales); the same
-  bytes written by a ``cat`` instead of ``pack``'s pads and add; ``quantize`` + ``pack`` with
-  error feedback (the kept residual added first, the new residual written);
+- send: the bf16 cast; int8 ``quantize`` + ``pack`` (blocks of 256, fp32 scales; ``pack`` is a
+  ``cat`` on CPU, pads and an add elsewhere); the same bytes written the other way; ``quantize``
+  + ``pack`` with error feedback (the kept residual added first, the new residual written, as
+  the hook computes it);
 - receive: the bf16 rows summed in fp32; ``unpack`` + ``dequantize`` + the sum.
 
 Each row prints its median time over ``--reps`` rounds of one call of each configuration, the
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -50,11 +52,15 @@ def _send_int8(x: torch.Tensor) -> torch.Tensor:
     return pack(*quantize(x, BLOCK))
 
 
-def _send_int8_cat(x: torch.Tensor) -> torch.Tensor:
-    """``pack``'s bytes written by a cat (on CPU Inductor copies an int8 cat with aten.cat)."""
+def _send_int8_other(x: torch.Tensor) -> torch.Tensor:
+    """``pack``'s bytes written the way ``pack`` does not on this device: by pads and an add on
+    CPU, by a cat elsewhere."""
     q, scales = quantize(x, BLOCK)
     rows = q.shape[0]
-    return torch.cat([_scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)], 1)
+    head, body = _scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)
+    if q.device.type != "cpu":
+        return torch.cat([head, body], 1)
+    return F.pad(head, (0, body.shape[1])) + F.pad(body, (head.shape[1], 0))
 
 
 def _send_int8_feedback(x: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,18 +106,19 @@ def main() -> None:
     results.add_output_arguments(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
+    cpu = device.type == "cpu"
     n = args.numel // args.rows
     x = torch.randn(args.rows, n, device=device)
     error = torch.randn(args.rows, n, device=device) * 1e-3
     packed = _send_int8(x)
-    assert torch.equal(_send_int8_cat(x), packed)
+    assert torch.equal(_send_int8_other(x), packed)
     wire = packed.numel()  # int8 bytes on the wire, scales included
     compiled = {
         f: torch.compile(f, fullgraph=True)
         for f in (
             _send_bf16,
             _send_int8,
-            _send_int8_cat,
+            _send_int8_other,
             _send_int8_feedback,
             _receive_bf16,
             _receive_int8,
@@ -125,10 +132,14 @@ def main() -> None:
     runs: list[tuple[str, Callable[[], object], int]] = [
         ("copy: fp32 into an allocated buffer", lambda: copy(out, x), 8 * elements),
         ("send: bf16 cast", lambda: compiled[_send_bf16](x), 6 * elements),
-        ("send: int8 quantize + pack", lambda: compiled[_send_int8](x), 4 * elements + wire),
         (
-            "send: int8 quantize, packed by a cat",
-            lambda: compiled[_send_int8_cat](x),
+            f"send: int8 quantize + pack ({'a cat' if cpu else 'pads and an add'})",
+            lambda: compiled[_send_int8](x),
+            4 * elements + wire,
+        ),
+        (
+            f"send: int8 quantize, packed by {'pads and an add' if cpu else 'a cat'}",
+            lambda: compiled[_send_int8_other](x),
             4 * elements + wire,
         ),
         (
