@@ -31,14 +31,13 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
 from train_ddp import synchronize
 
-from compiled_hooks.int8_collectives import _scale_bytes, pack, unpack
+from compiled_hooks.int8_collectives import pack, pack_by_cat, pack_by_pads, unpack
 from compiled_hooks.quantize import dequantize, quantize, to_blocks
 
 BLOCK = 256
@@ -55,12 +54,8 @@ def _send_int8(x: torch.Tensor) -> torch.Tensor:
 def _send_int8_other(x: torch.Tensor) -> torch.Tensor:
     """``pack``'s bytes written the way ``pack`` does not on this device: by pads and an add on
     CPU, by a cat elsewhere."""
-    q, scales = quantize(x, BLOCK)
-    rows = q.shape[0]
-    head, body = _scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)
-    if q.device.type != "cpu":
-        return torch.cat([head, body], 1)
-    return F.pad(head, (0, body.shape[1])) + F.pad(body, (head.shape[1], 0))
+    other = pack_by_pads if x.device.type == "cpu" else pack_by_cat
+    return other(*quantize(x, BLOCK))
 
 
 def _send_int8_feedback(x: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,8 @@ from .quantize import dequantize, quantize
 
 __all__ = [
     "pack",
+    "pack_by_cat",
+    "pack_by_pads",
     "unpack",
     "int8_reduce_scatter",
     "int8_all_reduce",
@@ -50,14 +52,23 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """One int8 row per row of :func:`~compiled_hooks.quantize.quantize`'s ``(q, scales)``:
     ``[rows, 4 * blocks + blocks * block_size]``, each scale's 4 bytes (least significant
     first) then the values."""
+    # On CPU Inductor copies a cat of int8 tensors with aten.cat: a copy of what its vectorized
+    # kernels wrote, cheaper than its scalar loop over the pads and add. Elsewhere it computes
+    # the pads and add inside the quantize's kernel.
+    return (pack_by_cat if q.device.type == "cpu" else pack_by_pads)(q, scales)
+
+
+def pack_by_cat(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s row, the scales' bytes and the values joined by a cat."""
+    rows = q.shape[0]
+    return torch.cat([_scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)], 1)
+
+
+def pack_by_pads(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s row, the scales' bytes and the values zero-padded to the whole row and
+    added (their supports are disjoint)."""
     rows = q.shape[0]
     head, body = _scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)
-    if q.device.type == "cpu":
-        # Inductor copies a cat of int8 tensors on CPU with aten.cat: a copy of what its
-        # vectorized kernels wrote, cheaper than its scalar loop over the pads and add below.
-        return torch.cat([head, body], 1)
-    # The two parts zero-padded to the whole row and added (their supports are disjoint):
-    # Inductor computes pads and adds inside the quantize's kernel.
     return F.pad(head, (0, body.shape[1])) + F.pad(body, (head.shape[1], 0))
 
 
