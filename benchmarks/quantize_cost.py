@@ -10,7 +10,9 @@ on its own:
   ``cat`` on CPU, pads and an add elsewhere); the same bytes written the other way; ``quantize``
   + ``pack`` with error feedback (the kept residual added first, the new residual written, as
   the hook computes it);
-- receive: the bf16 rows summed in fp32; ``unpack`` + ``dequantize`` + the sum.
+- receive: the bf16 rows summed in fp32; the int8 rows dequantized and summed
+  (``dequantize_received``: on CPU the ATen op, elsewhere Inductor's loop), and the same the
+  other way.
 
 Each row prints its median time over ``--reps`` rounds of one call of each configuration, the
 order rotated every round (after two warm-up rounds; on CUDA the device synchronized around
@@ -37,8 +39,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import results
 from train_ddp import synchronize
 
-from compiled_hooks.int8_collectives import pack, pack_by_cat, pack_by_pads, unpack
-from compiled_hooks.quantize import dequantize, quantize, to_blocks
+from compiled_hooks import ops
+from compiled_hooks.int8_collectives import dequantize_received
+from compiled_hooks.quantize import (
+    dequantize_packed,
+    pack,
+    pack_by_cat,
+    pack_by_pads,
+    quantize,
+    to_blocks,
+)
 
 BLOCK = 256
 
@@ -70,7 +80,15 @@ def _receive_bf16(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _receive_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return dequantize(*unpack(packed, BLOCK), n).sum(0)
+    return dequantize_received(packed, BLOCK).sum(0).view(-1)[:n]
+
+
+def _receive_int8_other(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``dequantize_received``'s values computed the way it does not on this device: by
+    Inductor's loop on CPU, by the ATen op elsewhere."""
+    cpu = packed.device.type == "cpu"
+    values = dequantize_packed(packed, BLOCK) if cpu else ops.dequantize_packed(packed, BLOCK)
+    return values.sum(0).view(-1)[:n]
 
 
 def _copy(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +135,7 @@ def main() -> None:
             _send_int8_feedback,
             _receive_bf16,
             _receive_int8,
+            _receive_int8_other,
         )
     }
     out = torch.empty_like(x)
@@ -144,8 +163,13 @@ def main() -> None:
         ),
         ("receive: bf16 sum", lambda: compiled[_receive_bf16](rows_in), 2 * elements + 4 * n),
         (
-            "receive: int8 unpack + dequantize + sum",
+            f"receive: int8 dequantize + sum ({'the ATen op' if cpu else 'a loop'})",
             lambda: compiled[_receive_int8](packed, n),
+            wire + 4 * n,
+        ),
+        (
+            "receive: int8 dequantized by " + ("Inductor's loop" if cpu else "the ATen op"),
+            lambda: compiled[_receive_int8_other](packed, n),
             wire + 4 * n,
         ),
     ]

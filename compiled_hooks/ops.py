@@ -18,6 +18,10 @@ rank guard's protocol), the op calls into it.
   the read returns a copy (zeros before the first keep), the keep copies ``residual``, given in
   the block layout its loop computes it in, into the state in ``shape``. The keep has a side
   effect.
+* ``dequantize_packed(packed, block_size) -> values``: fp32 ``[rows, blocks, block_size]`` of
+  the int8 rows a quantized collective received (:func:`compiled_hooks.quantize.
+  dequantize_packed`), computed by ATen; the int8 collectives call it on CPU, where Inductor's
+  loops load int8 through a temporary buffer.
 * ``powersgd_fold_error(error!, grad)``: ``error += grad`` in place, declared as mutating
   ``error`` so that Inductor writes into the error buffer instead of a fresh one.
 * ``check_ranks(record)``: the rank-divergence guard's check at a graph's start
@@ -27,12 +31,14 @@ rank guard's protocol), the op calls into it.
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from typing import Any
 
 import torch
 
 from . import compat, rank_guard
+from .quantize import dequantize_packed as _dequantize_packed
 from .quantize import from_blocks
 
 __all__ = [
@@ -42,6 +48,7 @@ __all__ = [
     "POWERSGD_COUNT",
     "QUANTIZED_ERROR",
     "QUANTIZED_KEEP_ERROR",
+    "DEQUANTIZE_PACKED",
     "CHECK_RANKS",
 ]
 
@@ -130,6 +137,32 @@ def _(
     return None
 
 
+# flexible_layout: it takes ``packed`` in whatever strides it comes (a bucket's columns), where
+# Inductor would otherwise copy it into the strides it had when traced
+@torch.library.custom_op(
+    "compiled_hooks::dequantize_packed", mutates_args=(), tags=(torch.Tag.flexible_layout,)
+)
+def dequantize_packed(packed: torch.Tensor, block_size: int) -> torch.Tensor:
+    """fp32 ``[rows, blocks, block_size]``: the values of the packed int8 rows ``packed``, each
+    times its block's scale; ``packed`` in any strides."""
+    if sys.byteorder != "little":
+        return _dequantize_packed(packed, block_size)
+    rows, width = packed.shape
+    blocks = width // (block_size + 4)
+    # a scale's bytes are its bits, least significant first: on this host, an int32 view of a
+    # copy (a view of ``packed`` itself needs an offset and strides divisible by 4)
+    head = packed.new_empty((rows, 4 * blocks)).copy_(packed[:, : 4 * blocks])
+    scales = head.view(torch.int32).view(torch.float32)
+    values = packed[:, 4 * blocks :].reshape(rows, blocks, block_size).float()
+    return values.mul_(scales.unsqueeze(2))
+
+
+@dequantize_packed.register_fake
+def _(packed: torch.Tensor, block_size: int) -> torch.Tensor:
+    rows, width = packed.shape
+    return packed.new_empty((rows, width // (block_size + 4), block_size), dtype=torch.float32)
+
+
 @torch.library.custom_op("compiled_hooks::check_ranks", mutates_args=())
 def check_ranks(record: str) -> None:
     """Check ``record`` (JSON, see :mod:`passes.insert_rank_guard`) against the other ranks."""
@@ -145,6 +178,7 @@ GROUP_RANK = torch.ops.compiled_hooks.group_rank.default
 POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default
 QUANTIZED_ERROR = torch.ops.compiled_hooks.quantized_error.default
 QUANTIZED_KEEP_ERROR = torch.ops.compiled_hooks.quantized_keep_error.default
+DEQUANTIZE_PACKED = torch.ops.compiled_hooks.dequantize_packed.default
 CHECK_RANKS = torch.ops.compiled_hooks.check_ranks.default
 
 # The count, the keep and the check matter even where nothing reads their results.

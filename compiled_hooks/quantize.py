@@ -1,4 +1,5 @@
-"""Block-wise int8 quantization: the numerics of int8 quantized collectives.
+"""Block-wise int8 quantization: the numerics of int8 quantized collectives, and the one int8
+buffer a row in which they travel (:func:`pack`).
 
 Each row of a 2-D tensor is cut into blocks of ``block_size`` elements (the last one padded
 with zeros) and every block is stored as int8 values and one fp32 scale, its absolute maximum
@@ -33,7 +34,19 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QMAX", "quantize", "dequantize", "to_blocks", "from_blocks", "check_block_size"]
+__all__ = [
+    "QMAX",
+    "quantize",
+    "dequantize",
+    "to_blocks",
+    "from_blocks",
+    "check_block_size",
+    "pack",
+    "pack_by_cat",
+    "pack_by_pads",
+    "unpack",
+    "dequantize_packed",
+]
 
 QMAX = 127  # symmetric: -128 is never produced, so negation is exact
 
@@ -79,3 +92,66 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """fp32 ``[rows, n]`` from :func:`quantize`'s ``(q, scales)`` (the padding dropped)."""
     rows = q.shape[0]
     return (q.float() * scales.unsqueeze(2)).view(rows, -1)[:, :n]
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One int8 row per row of :func:`quantize`'s ``(q, scales)``:
+    ``[rows, 4 * blocks + blocks * block_size]``, each scale's 4 bytes (least significant
+    first) then the values."""
+    # On CPU Inductor copies a cat of int8 tensors with aten.cat: a copy of what its vectorized
+    # kernels wrote, cheaper than its scalar loop over the pads and add. Elsewhere it computes
+    # the pads and add inside the quantize's kernel.
+    return (pack_by_cat if q.device.type == "cpu" else pack_by_pads)(q, scales)
+
+
+def pack_by_cat(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s row, the scales' bytes and the values joined by a cat."""
+    rows = q.shape[0]
+    return torch.cat([_scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)], 1)
+
+
+def pack_by_pads(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s row, the scales' bytes and the values zero-padded to the whole row and
+    added (their supports are disjoint)."""
+    rows = q.shape[0]
+    head, body = _scale_bytes(scales).reshape(rows, -1), q.reshape(rows, -1)
+    return F.pad(head, (0, body.shape[1])) + F.pad(body, (head.shape[1], 0))
+
+
+def unpack(packed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack`'s ``(q, scales)`` back: int8 ``[rows, blocks, block_size]`` and fp32
+    ``[rows, blocks]``."""
+    rows, width = packed.shape
+    blocks = width // (block_size + 4)
+    scales = _scales_of(packed[:, : 4 * blocks].reshape(rows, blocks, 4))
+    return packed[:, 4 * blocks :].reshape(rows, blocks, block_size), scales
+
+
+# A scale's bytes by arithmetic on its bits, not by a view to a narrower dtype: Inductor lowers
+# such a view only where the last stride is 1, which it does not promise for a dimension of
+# size 1 (torch 2.11 refuses a [1, 1] scale); a same-size view (fp32 <-> int32) is a bitcast in
+# any layout.
+_BYTE_SHIFTS = (0, 8, 16, 24)
+
+
+def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[..., blocks]`` -> int8 ``[..., blocks, 4]``: each scale's bytes, least
+    significant first."""
+    bits = scales.view(torch.int32)
+    parts = torch.stack([(bits >> s) & 0xFF for s in _BYTE_SHIFTS], dim=-1)
+    return torch.where(parts > 127, parts - 256, parts).to(torch.int8)
+
+
+def _scales_of(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """:func:`_scale_bytes` back: int8 ``[..., 4]`` -> fp32 ``[...]``. The top byte keeps its
+    sign, so the sum is the int32 bit pattern exactly, with no overflow."""
+    b = scale_bytes.to(torch.int32)
+    low = (b[..., 0] & 0xFF) + (b[..., 1] & 0xFF) * 256 + (b[..., 2] & 0xFF) * 65536
+    return (low + b[..., 3] * 16777216).view(torch.float32)
+
+
+def dequantize_packed(packed: torch.Tensor, block_size: int) -> torch.Tensor:
+    """fp32 ``[rows, blocks, block_size]`` of :func:`pack`'s rows: every value times its block's
+    scale, padding included (:func:`from_blocks` cuts it)."""
+    q, scales = unpack(packed, block_size)
+    return q.float() * scales.unsqueeze(2)

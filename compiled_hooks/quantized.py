@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import compat, ops, validation
-from .int8_collectives import all_gather_quantized, pack, reduce_scatter_quantized, unpack
-from .quantize import dequantize, from_blocks, quantize, to_blocks
+from .int8_collectives import all_gather_quantized, reduce_scatter_quantized
+from .quantize import dequantize, from_blocks, pack, quantize, to_blocks, unpack
 from .quantized_state import SHARD, WORKER, QuantizedState
 
 __all__ = ["QuantizedState", "int8_compress_hook", "reduce_bucket_async"]

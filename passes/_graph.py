@@ -33,6 +33,7 @@ from torch.fx import Graph, Node
 from compiled_hooks import compat
 from compiled_hooks.fsdp.gather import BLOCK
 from compiled_hooks.ops import (  # noqa: F401 - re-exported to the passes
+    DEQUANTIZE_PACKED,
     GROUP_RANK,
     POWERSGD_COUNT,
     QUANTIZED_ERROR,

@@ -8,7 +8,7 @@ gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pas
 collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
 graph) into buckets of at most ``quantized_bucket_cap_mb``: the members' rows side by side (a
 ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a member packed by a cat of
-its own, as :func:`compiled_hooks.int8_collectives.pack` does on CPU, gives that cat's inputs,
+its own, as :func:`compiled_hooks.quantize.pack` does on CPU, gives that cat's inputs,
 so a bucket is one cat), one collective, and each member reads its columns back::
 
     before                                      after
@@ -45,6 +45,7 @@ from torch.fx import Graph, Node
 from ._graph import (
     ALL_GATHER,
     ALL_TO_ALL,
+    DEQUANTIZE_PACKED,
     WAIT,
     ancestors,
     aten,
@@ -161,9 +162,10 @@ def _merge(graph: Graph, bucket: list[Node]) -> bool:
         for m, w in zip(bucket, waits):
             width = val(m.args[0]).shape[1]
             piece = new_node(graph, aten.slice.Tensor, (wait, 1, start, start + width))
-            piece = new_node(
-                graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
-            )
+            if not all(is_op(u, (DEQUANTIZE_PACKED,)) for u in w.users):  # it takes any strides
+                piece = new_node(
+                    graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
+                )
             w.replace_all_uses_with(piece)
             start += width
     for n in movers:

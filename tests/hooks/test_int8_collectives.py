@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compiled_hooks.int8_collectives import int8_all_reduce, int8_reduce_scatter, pack, unpack
-from compiled_hooks.quantize import quantize
+from compiled_hooks.int8_collectives import int8_all_reduce, int8_reduce_scatter
 from passes._graph import ALL_GATHER, ALL_TO_ALL
 from passes.testing import trace
 from tests.hooks.test_quantize import block_absmax, bound
@@ -92,31 +91,3 @@ def test_traces_as_one_all_to_all_and_one_all_gather_of_int8():
     assert ops == [ALL_TO_ALL, ALL_GATHER]  # payload and scales in one buffer
     collectives = [n for n in gm.graph.nodes if n.target in (ALL_TO_ALL, ALL_GATHER)]
     assert all(n.args[0].meta["val"].dtype == torch.int8 for n in collectives)
-
-
-@pytest.mark.parametrize("rows, n, block_size", [(1, 7, 3), (3, 40, 16), (4, 5, 256)])
-def test_pack_round_trip(rows, n, block_size):
-    """A row's scales and payload in one int8 row and back, bit for bit (nan and inf scales
-    included), whatever the block size does to the alignment."""
-    x = torch.randn(rows, n)
-    x[0, 0] = float("nan")
-    q, scales = quantize(x, block_size)
-    packed = pack(q, scales)
-    assert packed.dtype == torch.int8 and packed.shape == (rows, scales.shape[1] * (4 + block_size))
-    q2, scales2 = unpack(packed, block_size)
-    assert torch.equal(q2, q) and torch.equal(scales2.view(torch.int32), scales.view(torch.int32))
-
-
-@pytest.mark.parametrize("rows, n, block_size", [(1, 5, 256), (2, 7, 3)])
-def test_pack_round_trip_compiled(rows, n, block_size):
-    """The same through Inductor, where a view to a narrower dtype needs a unit last stride it
-    does not promise for a size-1 dimension (one block: torch 2.11 refused it)."""
-
-    def round_trip(x):
-        q, scales = quantize(x, block_size)
-        return (q, scales), unpack(pack(q, scales), block_size)
-
-    x = torch.randn(rows, n)
-    x[0, 0] = float("inf")
-    (q, scales), (q2, scales2) = torch.compile(round_trip, fullgraph=True)(x)
-    assert torch.equal(q2, q) and torch.equal(scales2.view(torch.int32), scales.view(torch.int32))

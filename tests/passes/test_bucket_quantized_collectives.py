@@ -4,11 +4,13 @@ flight, the same values (simulated collectives), and what is left alone."""
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
 
 import compiled_hooks as ch
 from compiled_hooks.fsdp.gather import BLOCK
+from compiled_hooks.quantize import pack, quantize, unpack
 from passes import bucket_quantized_collectives
-from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT, block_of
+from passes._graph import ALL_GATHER, ALL_TO_ALL, DEQUANTIZE_PACKED, WAIT, block_of
 from passes.testing import fake_process_group, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
@@ -87,6 +89,33 @@ class TestBucketQuantizedCollectives(PassTestCase):
         readers = [u for u in wait.users]
         self.assertTrue(all(nodes.index(r) > nodes.index(wait) for r in readers))
         self.assertIs(wait.target, WAIT)
+
+    def test_the_dequantize_op_reads_its_columns_of_the_bucket_in_place(self):
+        """On CPU the int8 collectives' results are read by the dequantize op alone, which
+        takes any strides: each gets its columns of the bucket as they are. Another reader (a
+        view of them may need a unit row stride) gets a contiguous copy."""
+        gm = hook_graph()
+        bucket_quantized_collectives(gm.graph)
+        readers = [n for n in gm.graph.nodes if n.target is DEQUANTIZE_PACKED]
+        self.assertEqual(len(readers), 6)
+        for r in readers:
+            self.assertIs(r.args[0].target, torch.ops.aten.slice.Tensor)
+            self.assertIs(r.args[0].args[0].target, WAIT)
+        self.assertFalse([n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default])
+
+        fake_process_group(2)
+
+        def fn(a, b):
+            received = [
+                fcol.all_to_all_single(pack(*quantize(x.view(2, -1), 8)), None, None, "0")
+                for x in (a, b)
+            ]
+            return [unpack(r, 8)[0].sum() for r in received]
+
+        gm = trace(fn, torch.randn(16), torch.randn(16), world_size=None)
+        self.assertTrue(bucket_quantized_collectives(gm.graph))
+        clones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+        self.assertEqual([c.args[0].target for c in clones], [torch.ops.aten.slice.Tensor] * 2)
 
     def test_idempotent_and_one_member_left_alone(self):
         gm = hook_graph()
