@@ -38,12 +38,17 @@ from . import compat, ops
 from .quantize import dequantize_packed, from_blocks, pack, quantize
 
 __all__ = [
+    "ATEN_DEQUANTIZE_MIN_BYTES",
     "dequantize_received",
     "int8_reduce_scatter",
     "int8_all_reduce",
     "reduce_scatter_quantized",
     "all_gather_quantized",
 ]
+
+
+ATEN_DEQUANTIZE_MIN_BYTES = 2**18
+"""Received int8 rows of at least this many bytes are dequantized by ATen on CPU."""
 
 
 def reduce_scatter_quantized(
@@ -68,11 +73,12 @@ def all_gather_quantized(q: torch.Tensor, scales: torch.Tensor, n: int, group: A
 
 def dequantize_received(packed: torch.Tensor, block_size: int) -> torch.Tensor:
     """:func:`~compiled_hooks.quantize.dequantize_packed` of a collective's received rows (any
-    strides); on CPU by the
-    op that computes it with ATen: Inductor's CPU loops load int8 through a temporary buffer
-    (a fill and a copy per vector), which ATen's conversion does not, and the op's output is
-    a buffer, so its views in a gradient's shape are reinterpretations, not copies."""
-    if packed.device.type == "cpu":
+    strides). On CPU, from :data:`ATEN_DEQUANTIZE_MIN_BYTES` up, by the op that computes it
+    with ATen: Inductor's CPU loop loads int8 through a temporary buffer (a fill and a copy per
+    vector), which ATen's conversion does not, and the op's output is a buffer, so its views
+    in a gradient's shape are reinterpretations, not copies. Below that the op's fixed cost
+    per call (a Python dispatch and a few ATen calls) is more than the loads it saves."""
+    if packed.device.type == "cpu" and packed.numel() >= ATEN_DEQUANTIZE_MIN_BYTES:
         return ops.dequantize_packed(packed, block_size)
     return dequantize_packed(packed, block_size)
 

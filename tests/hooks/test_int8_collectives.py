@@ -6,8 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compiled_hooks.int8_collectives import int8_all_reduce, int8_reduce_scatter
-from passes._graph import ALL_GATHER, ALL_TO_ALL
+from compiled_hooks.int8_collectives import (
+    ATEN_DEQUANTIZE_MIN_BYTES,
+    int8_all_reduce,
+    int8_reduce_scatter,
+)
+from passes._graph import ALL_GATHER, ALL_TO_ALL, DEQUANTIZE_PACKED
 from passes.testing import trace
 from tests.hooks.test_quantize import block_absmax, bound
 from tests.ranks import run_ranks
@@ -91,3 +95,18 @@ def test_traces_as_one_all_to_all_and_one_all_gather_of_int8():
     assert ops == [ALL_TO_ALL, ALL_GATHER]  # payload and scales in one buffer
     collectives = [n for n in gm.graph.nodes if n.target in (ALL_TO_ALL, ALL_GATHER)]
     assert all(n.args[0].meta["val"].dtype == torch.int8 for n in collectives)
+
+
+@pytest.mark.parametrize("n, by_op", [(100, False), (ATEN_DEQUANTIZE_MIN_BYTES, True)])
+def test_received_rows_from_the_threshold_up_are_dequantized_by_the_op_on_cpu(n, by_op):
+    """On CPU received int8 rows of at least ``ATEN_DEQUANTIZE_MIN_BYTES`` go to the ATen op
+    (both the all-to-all's and the all-gather's, ``n`` values of them in all); smaller ones are
+    dequantized in the traced graph, where the op's fixed cost per call is more than it
+    saves."""
+    gm = trace(
+        lambda x: int8_all_reduce(x, 2, dist.group.WORLD, 256),
+        torch.randn(n),
+        world_size=2,
+    )
+    ops = [n for n in gm.graph.nodes if n.target is DEQUANTIZE_PACKED]
+    assert len(ops) == (2 if by_op else 0)

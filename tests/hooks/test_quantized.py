@@ -426,7 +426,8 @@ def test_compiled_hook_kernels_index_linearly_and_load_no_int8(fake_pg):
     find each element's block (and which keeps Inductor's C++ loop from vectorizing); the
     residuals are kept in the block layout, and the gathered values reach the gradient as a
     view of the block layout. On CPU no kernel loads int8 (Inductor's loop loads it through a
-    temporary buffer per vector): the ``dequantize_packed`` op reads both received rows."""
+    temporary buffer per vector): the ``dequantize_packed`` op reads both received rows (each
+    above ``ATEN_DEQUANTIZE_MIN_BYTES``)."""
     from torch._inductor.utils import run_and_get_code
 
     from tests import output_code
@@ -437,7 +438,7 @@ def test_compiled_hook_kernels_index_linearly_and_load_no_int8(fake_pg):
         ch.int8_compress_hook(state, grad, param="w")
         return grad
 
-    _, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), torch.randn(64, 512))
+    _, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), torch.randn(1024, 512))
     assert code.count("compiled_hooks.quantized_keep_error.default(") == 2
     assert code.count("compiled_hooks.dequantize_packed.default(") == 2
     for name, source in output_code.kernels(code).items():

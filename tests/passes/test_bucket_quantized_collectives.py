@@ -2,11 +2,14 @@
 and one all-gather for many gradients, in an order that lets compute run while they are in
 flight, the same values (simulated collectives), and what is left alone."""
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 import compiled_hooks as ch
+from compiled_hooks import int8_collectives
 from compiled_hooks.fsdp.gather import BLOCK
 from compiled_hooks.quantize import pack, quantize, unpack
 from passes import bucket_quantized_collectives
@@ -94,7 +97,8 @@ class TestBucketQuantizedCollectives(PassTestCase):
         """On CPU the int8 collectives' results are read by the dequantize op alone, which
         takes any strides: each gets its columns of the bucket as they are. Another reader (a
         view of them may need a unit row stride) gets a contiguous copy."""
-        gm = hook_graph()
+        with mock.patch.object(int8_collectives, "ATEN_DEQUANTIZE_MIN_BYTES", 0):
+            gm = hook_graph()
         bucket_quantized_collectives(gm.graph)
         readers = [n for n in gm.graph.nodes if n.target is DEQUANTIZE_PACKED]
         self.assertEqual(len(readers), 6)
