@@ -10,10 +10,10 @@ with one all-to-all, and dequantizes and sums what it received in fp32, in rank 
     recv           = all_to_all(pack(q_r, scales_r))   row j: rank j's row for this rank
     shard          = sum_j dequantize(unpack(recv[j]))  f32[s], in j = 0 .. N-1 order
 
-Each row travels as one int8 buffer (:func:`~compiled_hooks.quantize.pack`): its scales' bytes,
-then its payload. One
-collective per exchange instead of two (the payload's and the scales'); and every collective
-of these functions carries int8, which is how the passes tell them from the others.
+Each row travels as one int8 buffer (:func:`~compiled_hooks.quantize.pack`): its scales'
+bytes, then its payload. One collective per exchange instead of two (the payload's and the
+scales'); and every collective of these functions carries int8, which is how the passes tell
+them from the others.
 
 All-reduce: the reduce-scatter, then this rank's shard quantized again and all-gathered, and
 every shard dequantized. Every rank dequantizes the same gathered bytes, its own shard

@@ -20,8 +20,8 @@ rank guard's protocol), the op calls into it.
   effect.
 * ``dequantize_packed(packed, block_size) -> values``: fp32 ``[rows, blocks, block_size]`` of
   the int8 rows a quantized collective received (:func:`compiled_hooks.quantize.
-  dequantize_packed`), computed by ATen; the int8 collectives call it on CPU, where Inductor's
-  loops load int8 through a temporary buffer.
+  dequantize_packed`), computed by ATen; the int8 collectives call it on CPU for rows from
+  256 KiB up, where Inductor's loops load int8 through a temporary buffer.
 * ``powersgd_fold_error(error!, grad)``: ``error += grad`` in place, declared as mutating
   ``error`` so that Inductor writes into the error buffer instead of a fresh one.
 * ``check_ranks(record)``: the rank-divergence guard's check at a graph's start

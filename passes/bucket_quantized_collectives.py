@@ -9,7 +9,8 @@ collectives of one kind, one group and one ``data_parallel`` block (none in DDP:
 graph) into buckets of at most ``quantized_bucket_cap_mb``: the members' rows side by side (a
 ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a member packed by a cat of
 its own, as :func:`compiled_hooks.quantize.pack` does on CPU, gives that cat's inputs,
-so a bucket is one cat), one collective, and each member reads its columns back::
+so a bucket is one cat), one collective, and each member reads its columns back (a contiguous
+copy, except where only the ``dequantize_packed`` op reads them: it takes any strides)::
 
     before                                      after
     a1 = all_to_all(p1, None, None, G)          ... p1 and p2 computed ...
