@@ -11,7 +11,7 @@ on its own:
   + ``pack`` with error feedback (the kept residual added first, the new residual written, as
   the hook computes it);
 - receive: the bf16 rows summed in fp32; the int8 rows dequantized and summed
-  (``dequantize_received``: on CPU the ATen op, elsewhere Inductor's loop), and the same the
+  (``sum_received``: on CPU the ATen op, elsewhere Inductor's loop), and the same the
   other way.
 
 Each row prints its median time over ``--reps`` rounds of one call of each configuration, the
@@ -40,7 +40,7 @@ import results
 from train_ddp import synchronize
 
 from compiled_hooks import ops
-from compiled_hooks.int8_collectives import dequantize_received
+from compiled_hooks.int8_collectives import sum_received
 from compiled_hooks.quantize import (
     dequantize_packed,
     pack,
@@ -80,11 +80,11 @@ def _receive_bf16(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _receive_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return dequantize_received(packed, BLOCK).sum(0).view(-1)[:n]
+    return sum_received(packed, BLOCK, n)
 
 
 def _receive_int8_other(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``dequantize_received``'s values computed the way it does not on this device: by
+    """``sum_received``'s sum with the values computed the way it does not on this device: by
     Inductor's loop on CPU, by the ATen op elsewhere."""
     cpu = packed.device.type == "cpu"
     values = dequantize_packed(packed, BLOCK) if cpu else ops.dequantize_packed(packed, BLOCK)

@@ -40,6 +40,8 @@ from .quantize import dequantize_packed, from_blocks, pack, quantize
 __all__ = [
     "ATEN_DEQUANTIZE_MIN_BYTES",
     "dequantize_received",
+    "sum_received",
+    "gathered_values",
     "int8_reduce_scatter",
     "int8_all_reduce",
     "reduce_scatter_quantized",
@@ -58,16 +60,28 @@ def reduce_scatter_quantized(
     (:func:`~compiled_hooks.quantize.quantize` of ``[world_size, n]``): one all-to-all of the
     packed rows, then dequantize and sum in rank order."""
     received = fcol.all_to_all_single(pack(q, scales), None, None, group)
-    # summed in the block layout, then cut to the row: the sum's loop indexes every input
-    # linearly (a loop over the row would find each element's scale by a division)
-    return dequantize_received(received, q.shape[2]).sum(0).view(-1)[:n]
+    return sum_received(received, q.shape[2], n)
 
 
 def all_gather_quantized(q: torch.Tensor, scales: torch.Tensor, n: int, group: Any) -> torch.Tensor:
     """Every rank's quantized shard (one row of ``n`` elements), gathered and dequantized: fp32
     ``[world_size * n]``, rank-major, the same on every rank bit for bit."""
     gathered = compat.all_gather_single(pack(q, scales), 0, group)
-    values = dequantize_received(gathered, q.shape[2])
+    return gathered_values(gathered, q.shape[2], n)
+
+
+def sum_received(received: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    """fp32 ``[n]``: the sum, in rank order, of the packed rows an all-to-all received (each
+    rank's row of ``n`` elements for this rank)."""
+    # summed in the block layout, then cut to the row: the sum's loop indexes every input
+    # linearly (a loop over the row would find each element's scale by a division)
+    return dequantize_received(received, block_size).sum(0).view(-1)[:n]
+
+
+def gathered_values(gathered: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    """fp32 ``[rows * n]``: the packed rows an all-gather received (a shard of ``n`` elements
+    each), dequantized, rank-major."""
+    values = dequantize_received(gathered, block_size)
     return from_blocks(values, n, [values.shape[0] * n])
 
 

@@ -40,8 +40,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import compat, ops, validation
-from .int8_collectives import all_gather_quantized, reduce_scatter_quantized
-from .quantize import dequantize, from_blocks, pack, quantize, to_blocks, unpack
+from .int8_collectives import (
+    all_gather_quantized,
+    gathered_values,
+    reduce_scatter_quantized,
+    sum_received,
+)
+from .quantize import dequantize, from_blocks, pack, quantize, to_blocks
 from .quantized_state import SHARD, WORKER, QuantizedState
 
 __all__ = ["QuantizedState", "int8_compress_hook", "reduce_bucket_async"]
@@ -207,7 +212,7 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
     def reduce(fut: torch.futures.Future[Any]) -> None:
         try:
             fut.value()  # raises what the all-to-all raised
-            mine = dequantize(*unpack(received, bs), shard).sum(0) / world
+            mine = sum_received(received, bs, shard) / world
             mine_sent = pack(*_quantize_shard(state, bucket_key, mine))
             gathered.append(mine_sent.new_empty((world, mine_sent.shape[1])))
         except Exception as e:  # the slot must be filled, or every later slot waits forever
@@ -222,7 +227,7 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.value()
-        values = dequantize(*unpack(gathered[0], bs), shard).reshape(-1)[: buffer.numel()]
+        values = gathered_values(gathered[0], bs, shard)[: buffer.numel()]
         return buffer.copy_(values)
 
     order.fill(
