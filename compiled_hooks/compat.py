@@ -42,8 +42,10 @@ import torch._inductor.custom_graph_pass as _custom_graph_pass
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _fcol
 import torch.distributed.distributed_c10d as _c10d
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_api, _fsdp_common, _fsdp_state
+from torch.distributed.tensor import placement_types as _placement_types
 
 __all__ = [
     "SUPPORTED",
@@ -55,6 +57,9 @@ __all__ = [
     "all_gather_into",
     "resolve_process_group",
     "group_size_by_name",
+    "in_backward",
+    "StridedShard",
+    "concatenate_meshes",
     "default_group",
     "default_store",
     "compiled_autograd_enabled",
@@ -103,6 +108,9 @@ OWNED = (
     "_all_reduce_hook",
     "all_reduce_grads",
     "_is_root",
+    "_current_graph_task_id",
+    "_StridedShard",
+    "_concatenate",
 )
 
 
@@ -182,6 +190,28 @@ def reduce_scatter_single(
     of the ranks' ``t`` along ``scatter_dim``, traced as
     ``_c10d_functional.reduce_scatter_tensor`` and its wait."""
     return _collective(_REDUCE_SCATTER, "reduce_scatter_single")(t, reduce_op, scatter_dim, group)
+
+
+# Autograd's engine --------------------------------------------------------------------------
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (an activation
+    checkpoint's recompute runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# DTensor -------------------------------------------------------------------------------------
+
+# FSDP2's placement for dim 0 of a parameter that tensor parallelism already shards on dim 0
+StridedShard = _placement_types._StridedShard
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """The mesh spanning the dimensions of ``meshes`` (sibling dimensions of one root mesh, as
+    FSDP2 joins its mesh with a tensor-parallel one); raises ``RuntimeError`` for meshes of
+    different roots or overlapping dimensions. No communication."""
+    return DeviceMesh._concatenate(meshes)
 
 
 # c10d's group registry ----------------------------------------------------------------------

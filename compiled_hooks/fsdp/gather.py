@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 import torch.fx.traceback
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -49,7 +51,7 @@ from ..int8_collectives import all_gather_quantized
 from ..quantize import quantize
 from ..state import LowPrecisionState
 
-__all__ = ["Layout", "Reduction", "gather", "BLOCK", "INT8_BLOCK_SIZE"]
+__all__ = ["Layout", "TensorParallel", "Reduction", "gather", "BLOCK", "INT8_BLOCK_SIZE"]
 
 # The key under which every node of a gather and of its reduction carries its block's name
 # (``node.meta["custom"]``), for the passes that bucket and schedule per block.
@@ -59,16 +61,31 @@ INT8_BLOCK_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """How tensor parallelism lays out a parameter that ``data_parallel`` shards further: the
+    tensor-parallel mesh, its placements, and the parameter's global shape and stride. The
+    gathered parameter is this rank's tensor-parallel local tensor, which the module reads as
+    a DTensor of this layout."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """Where one parameter's rows live: ``rows`` per rank after padding (0: replicated) and
-    this rank's real ``local_rows``; ``name`` is its fully qualified name and ``block`` names
-    the module group it is gathered with."""
+    this rank's real ``local_rows`` of the gathered ``shape`` (the tensor-parallel local
+    tensor's under ``tensor_parallel``); ``name`` is its fully qualified name and ``block``
+    names the module group it is gathered with."""
 
     name: str
     shape: torch.Size
     rows: int
     local_rows: int
     block: str
+    tensor_parallel: TensorParallel | None = None
 
 
 @dataclasses.dataclass
@@ -112,9 +129,15 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 class _GatherReduce(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, shard: torch.Tensor, layout: Layout, reduction: Reduction
+        ctx: Any,
+        shard: torch.Tensor,
+        layout: Layout,
+        reduction: Reduction,
+        gathered: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.layout, ctx.reduction, ctx.dtype = layout, reduction, shard.dtype
+        if gathered is not None:  # what an earlier gather of the same shard gave
+            return gathered.detach()
         dtype = reduction.param_dtype or shard.dtype
         if reduction.gather_dtype == torch.int8:  # data_parallel refuses it for replicate
             padded = _pad_rows(shard, layout.rows)
@@ -134,27 +157,32 @@ class _GatherReduce(torch.autograd.Function):
         return full[: layout.shape[0]]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         layout, r = ctx.layout, ctx.reduction
         in_dtype, out_dtype = r.hook_dtypes(grad.dtype)
         key = {"param": layout.name} if r.per_parameter else {}
         if r.shard_group is None:
             g = grad.to(in_dtype, copy=True)
             r.hook(r.state, g, **key)
-            return g.to(ctx.dtype), None, None
+            return g.to(ctx.dtype), None, None, None
         g = _pad_rows(grad.to(in_dtype), layout.rows * r.shard_size()).contiguous()
         out = g.new_empty((layout.rows, *layout.shape[1:]), dtype=out_dtype)
         r.hook(r.state, g, out, **key)
         if r.replica_hook is not None:
             r.replica_hook(r.replica_state, out, **key)
-        return out[: layout.local_rows].to(ctx.dtype), None, None
+        return out[: layout.local_rows].to(ctx.dtype), None, None, None
 
 
 def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
+def _save_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE
+
+
 _RESHARD = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+_KEEP = functools.partial(create_selective_checkpoint_contexts, _save_all)
 
 
 class _DropCheckpointNotice(logging.Filter):
@@ -169,19 +197,30 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropCheckpointNotic
 
 
 def gather(
-    shard: torch.Tensor, layout: Layout, reduction: Reduction, reshard: bool
+    shard: torch.Tensor,
+    layout: Layout,
+    reduction: Reduction,
+    reshard: bool,
+    gathered: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full parameter from this rank's ``shard`` (see the module docstring). ``reshard``
     applies under ``torch.compile`` only: eager autograd keeps what the consumers save. The traced
-    nodes, forward and backward, carry the block's name under :data:`BLOCK`."""
+    nodes, forward and backward, carry the block's name under :data:`BLOCK`.
+
+    ``gathered`` (eager): the full parameter an earlier gather of ``shard`` gave, returned
+    without a collective; the gradient is reduced all the same, so a recompute that autograd
+    differentiates (reentrant checkpointing) reduces it once."""
+    if gathered is not None:
+        return _GatherReduce.apply(shard, layout, reduction, gathered)
     with torch.fx.traceback.annotate({BLOCK: layout.block}):
-        if reshard and reduction.shard_group is not None and torch.compiler.is_compiling():
+        if reduction.shard_group is not None and torch.compiler.is_compiling():
             return checkpoint(
                 _GatherReduce.apply,
                 shard,
                 layout,
                 reduction,
+                None,
                 use_reentrant=False,
-                context_fn=_RESHARD,
+                context_fn=_RESHARD if reshard else _KEEP,
             )
-        return _GatherReduce.apply(shard, layout, reduction)
+        return _GatherReduce.apply(shard, layout, reduction, None)

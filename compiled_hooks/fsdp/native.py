@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -34,15 +35,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
+from .. import compat
 from ..hook_kind import hook_kind
 from ..hooks import allreduce_hook, reduce_scatter_hook
 from ..quantized_state import QuantizedState
 from ..state import DefaultState, LowPrecisionState
 from .fsdp2 import ALREADY, ROOT_ONLY
-from .gather import Layout, Reduction, gather
+from .gather import Layout, Reduction, TensorParallel, gather
 
 __all__ = ["data_parallel", "default_blocks", "DataParallelState", "MODES"]
 
@@ -86,6 +88,8 @@ class DataParallelState:
         # the root's forward, so Dynamo keeps no tensor of it.
         self.gathered: list[dict[str, torch.Tensor]] = []
         self.started = False  # a forward ran: the (compiled) reduction is fixed
+        # reshard_after_forward=False, eager: the gathered parameters a recompute reuses
+        self.kept: dict[str, torch.Tensor] = {}
 
 
 class _Managed(Protocol):
@@ -104,17 +108,52 @@ def _managed(module: nn.Module) -> _Managed:
 
 
 def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
+    """What ``module.<name>`` reads: the gathered parameter inside the root's forward and in an
+    activation checkpoint's recompute (eager: a read while autograd runs a backward), the
+    sharded DTensor elsewhere."""
     param = module._parameters[name]
     dp = module._data_parallel_root
-    if not dp.gathered:
-        return param
     layout = module._data_parallel_layouts[name]
-    if layout.name not in module._data_parallel_shared:
-        return gather(param.to_local(), layout, dp.reduction, dp.reshard)
-    gathered = dp.gathered[-1]
-    if layout.name not in gathered:  # one gather, so one reduction of the summed gradient
-        gathered[layout.name] = gather(param.to_local(), layout, dp.reduction, dp.reshard)
-    return gathered[layout.name]
+    if dp.gathered:
+        gathered = dp.gathered[-1]
+        if layout.name in gathered:
+            return gathered[layout.name]
+        full = gather(param.to_local(), layout, dp.reduction, dp.reshard)
+        if not dp.reshard:
+            _keep(dp, layout.name, full)
+        full = _as_read(full, layout)
+        if layout.name in module._data_parallel_shared:  # one gather, one reduction of the sum
+            gathered[layout.name] = full
+        return full
+    if not torch.compiler.is_compiling() and compat.in_backward():
+        kept = dp.kept.get(layout.name)
+        return _as_read(gather(param.to_local(), layout, dp.reduction, dp.reshard, kept), layout)
+    return param
+
+
+def _as_read(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The gathered ``full`` as the module reads it: under tensor parallelism, the DTensor
+    whose local tensor it is (whose backward gives the gradient in the tensor-parallel
+    placements, a partial one reduced over the tensor-parallel group by DTensor)."""
+    tp = layout.tensor_parallel
+    if tp is None:
+        return full
+    return DTensor.from_local(full, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
+
+
+def _keep(dp: DataParallelState, name: str, full: torch.Tensor) -> None:
+    """``reshard_after_forward=False``, eager: hold the gathered ``full`` for a recompute until
+    autograd has reduced its gradient (compiled, the partitioner saves it instead)."""
+    if torch.compiler.is_compiling() or full.grad_fn is None:
+        return
+    dp.kept[name] = full
+    ref = weakref.ref(full)
+
+    def drop(*_: Any) -> None:
+        if dp.kept.get(name) is ref():  # not a later forward's
+            del dp.kept[name]
+
+    full.grad_fn.register_hook(drop)
 
 
 def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -266,6 +305,9 @@ def _check(
             f"{name}: the parameters are on {next(iter(devices))} but the mesh is a "
             f"{mesh.device_type!r} mesh"
         )
+    for path, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            _check_tensor_parallel(path, p, mesh)
     if mode != "replicate":
         for path, p in module.named_parameters():
             if p.dim() == 0:
@@ -273,6 +315,26 @@ def _check(
                     f"{name}: parameter {path!r} is a scalar, which cannot be sharded on dim 0; "
                     "make it a 1-element tensor"
                 )
+
+
+def _check_tensor_parallel(path: str, p: DTensor, mesh: DeviceMesh) -> None:
+    """A DTensor parameter is tensor-parallel (or expert-parallel) on a mesh of its own, whose
+    dimensions and ``mesh``'s are sibling dimensions of one named root mesh."""
+    where = f"data_parallel: parameter {path!r} is a DTensor on {p.device_mesh}"
+    fix = (
+        "build one mesh, init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+        "parallelize the model over mesh['tp'] and pass mesh['dp'] here"
+    )
+    if any(placement.is_partial() for placement in p.placements):
+        raise ValueError(f"{where} with placements {p.placements}: a Partial parameter")
+    if mesh.mesh_dim_names is None or p.device_mesh.mesh_dim_names is None:
+        raise ValueError(f"{where}; both meshes need named dimensions: {fix}")
+    try:
+        compat.concatenate_meshes([mesh, p.device_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"{where}, which is not a sibling dimension of the data-parallel mesh {mesh}: {fix}"
+        ) from e
 
 
 def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
@@ -283,6 +345,52 @@ def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     return hook
+
+
+_PLACEMENTS: dict[str, tuple[Placement, ...]] = {
+    "fully_shard": (Shard(0),),
+    "replicate": (Replicate(),),
+    "hybrid_shard": (Replicate(), Shard(0)),
+}
+
+
+def _shard(
+    p: torch.Tensor, mesh: DeviceMesh, mode: str, name: str, block: str
+) -> tuple[nn.Parameter, Layout]:
+    """This rank's shard of ``p`` as a parameter, and where its rows live. A plain ``p`` is
+    sharded on ``mesh``; a tensor-parallel DTensor ``p`` as FSDP2 shards it: its local tensor
+    is split on dim 0 over the shard dimension of ``mesh``, on the mesh joining ``mesh`` with
+    its own (``_StridedShard`` where tensor parallelism already splits dim 0). No
+    communication."""
+    placements = _PLACEMENTS[mode]
+    shards = 1 if mode == "replicate" else mesh.size(mesh.ndim - 1)
+    if not isinstance(p, DTensor):
+        dt = distribute_tensor(p.detach(), mesh, list(placements), src_data_rank=None)
+        full, tp = p, None
+    else:
+        full = p.to_local().detach()
+        tp = TensorParallel(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+        if mode != "replicate":
+            split = math.prod(  # tensor parallelism's pieces of dim 0
+                p.device_mesh.size(i)
+                for i, placement in enumerate(p.placements)
+                if isinstance(placement, Shard) and placement.dim == 0
+            )
+            shard: Placement = compat.StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+            placements = (*placements[:-1], shard)
+            pieces = torch.chunk(full, shards, dim=0)
+            index = mesh.get_local_rank(mesh.ndim - 1)
+            local = pieces[index] if index < len(pieces) else full[:0]
+        else:
+            local = full
+        joined = compat.concatenate_meshes([mesh, p.device_mesh])
+        dt = DTensor.from_local(
+            local.clone(), joined, (*placements, *tp.placements), shape=p.shape, stride=p.stride()
+        )
+    rows = 0 if mode == "replicate" else math.ceil(full.shape[0] / shards)
+    local_rows = dt.to_local().shape[0] if p.dim() else 0
+    layout = Layout(name, full.shape, rows, local_rows, block, tp)
+    return nn.Parameter(dt, requires_grad=p.requires_grad), layout
 
 
 def data_parallel(
@@ -321,18 +429,6 @@ def data_parallel(
                 )
             block_map[paths[b]] = b
     dp = DataParallelState(mode, mesh, mp_policy, reshard_after_forward, gather_dtype)
-    placements_of: dict[str, list[Placement]] = {
-        "fully_shard": [Shard(0)],
-        "replicate": [Replicate()],
-        "hybrid_shard": [Replicate(), Shard(0)],
-    }
-    placements = placements_of[mode]
-    shard_size = 1 if dp.shard_group is None else dist.get_world_size(dp.shard_group)
-
-    def block_of(path: str) -> str:
-        owners = [b for b in block_map if path == b or path.startswith(b + ".")]
-        return max(owners, key=len, default="")
-
     sharded: dict[int, tuple[nn.Parameter, Layout]] = {}
     uses: dict[int, int] = {}
     for m in module.modules():
@@ -347,14 +443,9 @@ def data_parallel(
         for n in names:
             p = m._parameters[n]
             if id(p) not in sharded:
-                dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
-                rows = 0 if mode == "replicate" else math.ceil(p.shape[0] / shard_size)
-                local_rows = dt.to_local().shape[0] if p.dim() else 0
-                fqn = f"{path}.{n}" if path else n
-                sharded[id(p)] = (
-                    nn.Parameter(dt, requires_grad=p.requires_grad),
-                    Layout(fqn, p.shape, rows, local_rows, block_of(path)),
-                )
+                owners = [b for b in block_map if path == b or path.startswith(b + ".")]
+                block = max(owners, key=len, default="")
+                sharded[id(p)] = _shard(p, mesh, mode, f"{path}.{n}" if path else n, block)
             new, layout = sharded[id(p)]
             m._parameters[n] = new
             layouts[n] = layout
