@@ -20,6 +20,7 @@ import logging
 import operator
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, cast
@@ -83,17 +84,62 @@ def record(pass_name: str, event: str, node: Node | None = None) -> None:
 
 
 def is_op(node: Any, ops: tuple) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in ops
+    """``node`` calls one of ``ops``; a collective or wait of another parallelism never matches
+    (see :func:`foreign`)."""
+    return (
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and node.target in ops
+        and not foreign(node)
+    )
 
 
 def is_collective(node: Any) -> bool:
-    """Any functional collective (not its wait)."""
+    """Any functional collective (not its wait) but another parallelism's (:func:`foreign`)."""
     return (
         isinstance(node, Node)
         and node.op == "call_function"
         and getattr(node.target, "namespace", None) == "_c10d_functional"
         and node.target is not WAIT
+        and not foreign(node)
     )
+
+
+def foreign(node: Node) -> bool:
+    """Whether ``node``, a collective or a wait, belongs to another parallelism: in a
+    ``data_parallel`` graph (one with collectives marked with a block), a collective on a
+    process group that no marked collective uses, such as tensor parallelism's DTensor
+    collectives. No pass matches these; to the passes they are nodes with side effects."""
+    if getattr(node.target, "namespace", None) != "_c10d_functional":
+        return False
+    groups = _foreign_groups(node.graph)
+    source = node.args[0] if node.target is WAIT and node.args else node
+    return bool(groups) and isinstance(source, Node) and _group(source) in groups
+
+
+def _group(collective: Node) -> Any:
+    return collective.args[-1] if collective.args else None
+
+
+_FOREIGN: weakref.WeakKeyDictionary[Graph, frozenset] = weakref.WeakKeyDictionary()
+
+
+def _foreign_groups(graph: Graph) -> frozenset:
+    """The groups of :func:`foreign` collectives, found the first time a pass sees ``graph``
+    (:func:`check_graph`), while data_parallel's marks are all there (a pass that replaces a
+    collective need not keep its mark)."""
+    if graph not in _FOREIGN:
+        collectives = [
+            n
+            for n in graph.nodes
+            if n.op == "call_function"
+            and getattr(n.target, "namespace", None) == "_c10d_functional"
+            and n.target is not WAIT
+        ]
+        ours = {_group(n) for n in collectives if block_of(n) is not None}
+        theirs = {_group(n) for n in collectives} - ours if ours else set()
+        _FOREIGN[graph] = frozenset(theirs)
+    return _FOREIGN[graph]
 
 
 def val(node: object) -> Any:
@@ -319,6 +365,7 @@ def check_graph(pass_name: str, graph: Any) -> None:
         raise TypeError(f"{pass_name}: expected a torch.fx.Graph, got a GraphModule; pass gm.graph")
     if not isinstance(graph, Graph):
         raise TypeError(f"{pass_name}: expected a torch.fx.Graph, got {type(graph).__name__}")
+    _foreign_groups(graph)
 
 
 def chains(graph: Graph, pass_name: str) -> list[Chain]:
@@ -327,7 +374,7 @@ def chains(graph: Graph, pass_name: str) -> list[Chain]:
     check_graph(pass_name, graph)
     out = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in COLLECTIVES:
+        if not is_op(node, COLLECTIVES):
             continue
         chain = match_chain(node)
         if chain is None:

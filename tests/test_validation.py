@@ -294,6 +294,16 @@ CASES = {
         ValueError,
         "mode 'replicate' gathers nothing",
     ),
+    "data_parallel_tp_mesh_as_data_parallel_mesh": (
+        lambda g: ch.fsdp.data_parallel(_tensor_parallel()[0], _tensor_parallel()[1]["tp"]),
+        ValueError,
+        "is not a sibling dimension of the data-parallel mesh",
+    ),
+    "data_parallel_tp_with_unnamed_mesh": (
+        lambda g: ch.fsdp.data_parallel(_tensor_parallel()[0], _mesh()),
+        ValueError,
+        "both meshes need named dimensions",
+    ),
     "data_parallel_params_on_two_devices": (
         lambda g: ch.fsdp.data_parallel(_two_devices(), _mesh()),
         ValueError,
@@ -539,6 +549,17 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
+@functools.cache
+def _tensor_parallel():
+    """A colwise-parallel Linear over the ``tp`` dimension of a (dp=1, tp=2) mesh, and the mesh
+    (both communicate while built, so they are built before the cases)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    return parallelize_module(torch.nn.Linear(2, 4), mesh["tp"], ColwiseParallel()), mesh
+
+
 def _native(mode="fully_shard"):
     return ch.fsdp.data_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), _mesh(), mode=mode)
 
@@ -650,6 +671,7 @@ def misuse_worker(rank, world_size):
     group = dist.group.WORLD
     results = {}
     _traced(), _sharded(), _mesh(), _unscaled_once(), _ddp_zero(), _psgd_served()
+    _tensor_parallel()
     _ddp_zero_python_reducer(), _ddp_zero_sharded()
     signal.signal(signal.SIGALRM, _case_timeout)
     for name, (call, _, _) in CASES.items():
