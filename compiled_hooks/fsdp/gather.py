@@ -20,9 +20,11 @@ and every rank dequantizes the same gathered bytes::
 
 The gradient goes to the shard as if the gather were exact (a straight-through estimator).
 
-With ``reshard=True`` the gather runs under a selective activation checkpoint whose policy
-recomputes every op in it, so under ``torch.compile`` the partitioner saves the shard, not the
-gathered parameter, and the backward graph gathers again (int8 again, with int8 gathers).
+Under ``torch.compile`` the gather runs under a selective activation checkpoint. With
+``reshard=True`` its policy recomputes every op in it, so the partitioner saves the shard, not
+the gathered parameter, and the backward graph gathers again (int8 again, with int8 gathers).
+With ``reshard=False`` its policy saves every op, so a user's checkpoint around the module
+recomputes the module but not the gather.
 """
 
 from __future__ import annotations

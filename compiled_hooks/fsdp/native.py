@@ -17,6 +17,13 @@ backward, collectives included, as one graph (the SimpleFSDP design).
   FSDP2's ``cast_forward_inputs``. By default (:func:`default_blocks`) the blocks are the
   layers of the outermost layer stacks; a model with parameters in several modules and no
   stack found gets a warning naming ``blocks=``.
+- Activation checkpointing: a recompute (eager: a read while autograd runs a backward) gathers
+  again with ``reshard_after_forward=True`` and reuses the forward's gathered parameter with
+  ``False``; compiled, the partitioner does the same (see :mod:`.gather`).
+- Tensor parallelism: a DTensor parameter of a sibling mesh dimension (``mesh["tp"]`` beside
+  ``mesh["dp"]``) is sharded as FSDP2 shards it, on the joined mesh; it is gathered over the
+  data-parallel group to its tensor-parallel local tensor and read as the tensor-parallel
+  DTensor, so the module's own collectives stay DTensor's.
 - ``gather_dtype=torch.int8`` gathers int8 blocks and fp32 scales instead of ``param_dtype``
   values (ZeRO++'s qwZ, :mod:`.gather`), in forward and in the reshard mode's re-gather; the
   shards stay at full precision and the optimizer steps them.
@@ -318,15 +325,18 @@ def _check(
 
 
 def _check_tensor_parallel(path: str, p: DTensor, mesh: DeviceMesh) -> None:
-    """A DTensor parameter is tensor-parallel (or expert-parallel) on a mesh of its own, whose
-    dimensions and ``mesh``'s are sibling dimensions of one named root mesh."""
+    """A DTensor parameter is tensor-parallel on a mesh of its own, whose dimensions and
+    ``mesh``'s are sibling dimensions of one named root mesh."""
     where = f"data_parallel: parameter {path!r} is a DTensor on {p.device_mesh}"
     fix = (
         "build one mesh, init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
         "parallelize the model over mesh['tp'] and pass mesh['dp'] here"
     )
     if any(placement.is_partial() for placement in p.placements):
-        raise ValueError(f"{where} with placements {p.placements}: a Partial parameter")
+        raise ValueError(
+            f"{where} with placements {p.placements}: a Partial parameter has no values to "
+            "shard; redistribute it to Replicate() or Shard first"
+        )
     if mesh.mesh_dim_names is None or p.device_mesh.mesh_dim_names is None:
         raise ValueError(f"{where}; both meshes need named dimensions: {fix}")
     try:
