@@ -34,7 +34,7 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ._graph import aliases
+from ._graph import aliases, is_alias
 from .graph_text import graph_diff, graph_str
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "fake_process_group",
     "partitioned_graphs",
     "gathered_bytes_alive",
+    "saved_for_backward",
 ]
 
 
@@ -152,3 +153,28 @@ def gathered_bytes_alive(graph: torch.fx.Graph) -> list[int]:
         for i in range(index[node], last + 1):
             alive[i] += v.numel() * v.element_size()
     return alive
+
+
+def saved_for_backward(forward: torch.fx.Graph, outputs: int = 1) -> tuple[int, int]:
+    """``(gathered, other)``: the bytes a partitioned forward graph returns for backward after
+    its first ``outputs`` values, split into gathered parameters (all-gather outputs) and
+    everything else. A saved view counts as the value it views, once; graph inputs and their
+    views (parameters' shards, the batch) are left out, since they are held anyway."""
+    saved = next(iter(forward.find_nodes(op="output"))).args[0][outputs:]
+    bases = set()
+    for node in saved:
+        while isinstance(node, torch.fx.Node) and is_alias(node) and node.args:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.op != "placeholder":
+            bases.add(node)
+    gathered = other = 0
+    for node in bases:
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        nbytes = value.numel() * value.element_size()
+        if node.target in _GATHERS:
+            gathered += nbytes
+        else:
+            other += nbytes
+    return gathered, other
