@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from . import fsdp2 as _fsdp2
-from . import native as _native
+from . import native_hook as _native_hook
+from .blocks import default_blocks
 from .fsdp2 import ALREADY, ROOT_ONLY, HookAllReduce, HookReduceScatter
-from .native import MODES, DataParallelState, data_parallel, default_blocks, is_data_parallel
+from .native import MODES, DataParallelState, data_parallel, is_data_parallel
 
 __all__ = [
     "data_parallel",
@@ -48,7 +49,7 @@ def register_comm_hook(
                 "register_comm_hook: compile=True is for FSDP2 modules; a data_parallel module's "
                 "hook is compiled with the module"
             )
-        _native.register_comm_hook(module, state, hook)
+        _native_hook.register_comm_hook(module, state, hook)
     else:
         _fsdp2.register_comm_hook(module, state, hook, compile=compile)
 

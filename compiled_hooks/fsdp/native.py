@@ -31,29 +31,25 @@ backward, collectives included, as one graph (the SimpleFSDP design).
 
 from __future__ import annotations
 
-import math
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from .. import compat
-from ..hook_kind import hook_kind
 from ..hooks import allreduce_hook, reduce_scatter_hook
-from ..quantized_state import QuantizedState
-from ..state import DefaultState, LowPrecisionState
-from .fsdp2 import ALREADY, ROOT_ONLY
-from .gather import Layout, Reduction, TensorParallel, gather
+from ..state import DefaultState
+from .blocks import default_blocks, warn_no_blocks
+from .gather import Layout, Reduction, gather
+from .sharding import check_tensor_parallel, shard_parameter
 
-__all__ = ["data_parallel", "default_blocks", "DataParallelState", "MODES"]
+__all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
 
 MODES = {"fully_shard": 1, "replicate": 1, "hybrid_shard": 2}  # mode -> mesh dimensions
 _CLASSES: dict[tuple[type, frozenset, bool], type] = {}
@@ -199,73 +195,6 @@ def _swap_class(module: nn.Module, names: Iterable[str], root: bool) -> None:
     module.__class__ = _CLASSES[key]
 
 
-def _is_stack(container: nn.Module, layers: dict[str, nn.Module]) -> bool:
-    """Whether ``container``, whose children with parameters are ``layers``, is a stack of layers.
-
-    A list or a sequence always is. A dict is one when it holds two or more layers keyed by
-    index (torchtitan's ``layers["0"]``) or all of one class; otherwise it is a namespace of a
-    model's parts (nanoGPT's ``transformer``: ``wte``, ``wpe``, ``h``, ``ln_f``), and the search
-    goes on inside it."""
-    if isinstance(container, (nn.ModuleList, nn.Sequential)):
-        return True
-    if not isinstance(container, nn.ModuleDict) or len(layers) < 2:
-        return False
-    return all(k.isdigit() for k in layers) or len({type(m) for m in layers.values()}) == 1
-
-
-def default_blocks(module: nn.Module) -> dict[str, nn.Module]:
-    """The blocks :func:`data_parallel` uses without ``blocks=``: path -> block.
-
-    The children with parameters of every outermost stack of layers, in registration order. A
-    stack is an ``nn.ModuleList`` or ``nn.Sequential``, or an ``nn.ModuleDict`` with two or more
-    children with parameters, keyed by index or all of one class (see :func:`_is_stack`);
-    subclasses count. The search walks down from ``module``, which may be a stack itself
-    (``nn.Sequential(a, b)`` gives ``{"0": a, "1": b}``), and does not enter a stack it found.
-
-    ::
-
-        torchtitan Llama  layers (ModuleDict of TransformerBlock)  -> layers.0, layers.1, ...
-        HF GPT-2          transformer.h (ModuleList)               -> transformer.h.0, ...
-        HF Llama          model.layers (ModuleList)                -> model.layers.0, ...
-        nanoGPT           transformer (ModuleDict of mixed parts)
-                            .h (ModuleList)                        -> transformer.h.0, ...
-    """
-    blocks: dict[str, nn.Module] = {}
-
-    def has_parameters(m: nn.Module) -> bool:
-        return any(True for _ in m.parameters())
-
-    def visit(prefix: str, m: nn.Module) -> None:
-        children = list(m.named_children())
-        layers = {n: c for n, c in children if has_parameters(c)}
-        if _is_stack(m, layers):
-            blocks.update((prefix + n, c) for n, c in layers.items())
-            return
-        for n, c in children:
-            visit(f"{prefix}{n}.", c)
-
-    visit("", module)
-    return blocks
-
-
-def _warn_no_blocks(module: nn.Module) -> None:
-    """Warn when ``module`` spreads its parameters over several modules and no block was found:
-    every parameter is then gathered with the root."""
-    holders = [m for m in module.modules() if any(p is not None for p in m._parameters.values())]
-    if len(holders) <= 1:
-        return
-    warnings.warn(
-        f"data_parallel: no blocks found in {type(module).__name__} (no nn.ModuleList, "
-        "nn.Sequential or nn.ModuleDict of layers): all parameters are gathered "
-        "together with the root, so the whole model is gathered at once in forward and backward "
-        "and no gather overlaps another block's compute. Pass blocks=[...] (for example the "
-        "transformer layers), or blocks=[] to gather everything with the root without this "
-        "warning.",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
 def _check(
     module: nn.Module, mesh: DeviceMesh, mode: str, mp_policy: Any, reshard: Any, gather_dtype: Any
 ) -> None:
@@ -314,7 +243,7 @@ def _check(
         )
     for path, p in module.named_parameters():
         if isinstance(p, DTensor):
-            _check_tensor_parallel(path, p, mesh)
+            check_tensor_parallel(path, p, mesh)
     if mode != "replicate":
         for path, p in module.named_parameters():
             if p.dim() == 0:
@@ -322,29 +251,6 @@ def _check(
                     f"{name}: parameter {path!r} is a scalar, which cannot be sharded on dim 0; "
                     "make it a 1-element tensor"
                 )
-
-
-def _check_tensor_parallel(path: str, p: DTensor, mesh: DeviceMesh) -> None:
-    """A DTensor parameter is tensor-parallel on a mesh of its own, whose dimensions and
-    ``mesh``'s are sibling dimensions of one named root mesh."""
-    where = f"data_parallel: parameter {path!r} is a DTensor on {p.device_mesh}"
-    fix = (
-        "build one mesh, init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
-        "parallelize the model over mesh['tp'] and pass mesh['dp'] here"
-    )
-    if any(placement.is_partial() for placement in p.placements):
-        raise ValueError(
-            f"{where} with placements {p.placements}: a Partial parameter has no values to "
-            "shard; redistribute it to Replicate() or Shard first"
-        )
-    if mesh.mesh_dim_names is None or p.device_mesh.mesh_dim_names is None:
-        raise ValueError(f"{where}; both meshes need named dimensions: {fix}")
-    try:
-        compat.concatenate_meshes([mesh, p.device_mesh])
-    except RuntimeError as e:
-        raise ValueError(
-            f"{where}, which is not a sibling dimension of the data-parallel mesh {mesh}: {fix}"
-        ) from e
 
 
 def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
@@ -355,52 +261,6 @@ def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     return hook
-
-
-_PLACEMENTS: dict[str, tuple[Placement, ...]] = {
-    "fully_shard": (Shard(0),),
-    "replicate": (Replicate(),),
-    "hybrid_shard": (Replicate(), Shard(0)),
-}
-
-
-def _shard(
-    p: torch.Tensor, mesh: DeviceMesh, mode: str, name: str, block: str
-) -> tuple[nn.Parameter, Layout]:
-    """This rank's shard of ``p`` as a parameter, and where its rows live. A plain ``p`` is
-    sharded on ``mesh``; a tensor-parallel DTensor ``p`` as FSDP2 shards it: its local tensor
-    is split on dim 0 over the shard dimension of ``mesh``, on the mesh joining ``mesh`` with
-    its own (``_StridedShard`` where tensor parallelism already splits dim 0). No
-    communication."""
-    placements = _PLACEMENTS[mode]
-    shards = 1 if mode == "replicate" else mesh.size(mesh.ndim - 1)
-    if not isinstance(p, DTensor):
-        dt = distribute_tensor(p.detach(), mesh, list(placements), src_data_rank=None)
-        full, tp = p, None
-    else:
-        full = p.to_local().detach()
-        tp = TensorParallel(p.device_mesh, tuple(p.placements), p.shape, p.stride())
-        if mode != "replicate":
-            split = math.prod(  # tensor parallelism's pieces of dim 0
-                p.device_mesh.size(i)
-                for i, placement in enumerate(p.placements)
-                if isinstance(placement, Shard) and placement.dim == 0
-            )
-            shard: Placement = compat.StridedShard(0, split_factor=split) if split > 1 else Shard(0)
-            placements = (*placements[:-1], shard)
-            pieces = torch.chunk(full, shards, dim=0)
-            index = mesh.get_local_rank(mesh.ndim - 1)
-            local = pieces[index] if index < len(pieces) else full[:0]
-        else:
-            local = full
-        joined = compat.concatenate_meshes([mesh, p.device_mesh])
-        dt = DTensor.from_local(
-            local.clone(), joined, (*placements, *tp.placements), shape=p.shape, stride=p.stride()
-        )
-    rows = 0 if mode == "replicate" else math.ceil(full.shape[0] / shards)
-    local_rows = dt.to_local().shape[0] if p.dim() else 0
-    layout = Layout(name, full.shape, rows, local_rows, block, tp)
-    return nn.Parameter(dt, requires_grad=p.requires_grad), layout
 
 
 def data_parallel(
@@ -429,7 +289,7 @@ def data_parallel(
     if blocks is None:
         block_map = default_blocks(module)
         if not block_map:
-            _warn_no_blocks(module)
+            warn_no_blocks(module)
     else:
         block_map = {}
         for b in blocks:
@@ -455,7 +315,7 @@ def data_parallel(
             if id(p) not in sharded:
                 owners = [b for b in block_map if path == b or path.startswith(b + ".")]
                 block = max(owners, key=len, default="")
-                sharded[id(p)] = _shard(p, mesh, mode, f"{path}.{n}" if path else n, block)
+                sharded[id(p)] = shard_parameter(p, mesh, mode, f"{path}.{n}" if path else n, block)
             new, layout = sharded[id(p)]
             m._parameters[n] = new
             layouts[n] = layout
@@ -487,89 +347,3 @@ def data_parallel(
 
 def is_data_parallel(module: nn.Module) -> bool:
     return hasattr(module, "_data_parallel_root")
-
-
-def _replica_state(state: DefaultState, group: dist.ProcessGroup) -> DefaultState:
-    """A state like ``state`` over the replicas' ``group`` (its own error feedback, if any)."""
-    if isinstance(state, QuantizedState):
-        return QuantizedState(
-            group,
-            bits=state.bits,
-            block_size=state.block_size,
-            error_feedback=state.error_feedback,
-        )
-    if isinstance(state, LowPrecisionState):
-        return LowPrecisionState(group, state.parameter_type)
-    return DefaultState(group)
-
-
-def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..., Any]) -> None:
-    """Reduce the gradients of a ``data_parallel`` root through ``hook`` (FSDP1's rules: root
-    only, once, before the first forward). ``"fully_shard"`` and ``"hybrid_shard"`` call
-    ``hook(state, grad, output)`` with ``state`` over the shard group; ``"hybrid_shard"`` then
-    all-reduces the shard across the replicas with the same hook's ``hook(state, grad)`` form
-    (``allreduce_hook`` for ``reduce_scatter_hook``) over the replicate group, so the result is
-    averaged over all ranks. ``"replicate"`` calls ``hook(state, grad)``. A hook that takes
-    ``param=`` (``int8_compress_hook``) gets the parameter's fully qualified name."""
-    name = "register_comm_hook"
-    dp = getattr(module, "_data_parallel", None)
-    if dp is None:
-        raise AssertionError(ROOT_ONLY)
-    if not isinstance(state, DefaultState):
-        raise TypeError(
-            f"{name}: state must be a DefaultState or LowPrecisionState, got {type(state).__name__}"
-        )
-    if dp.comm_hook is not None:
-        raise AssertionError(ALREADY)
-    if dp.started:
-        raise RuntimeError(
-            f"{name}: register the hook before the first forward; compiled graphs already hold "
-            "the default reduction"
-        )
-    kind = hook_kind(hook, name)
-    replica_hook = None
-    if dp.mode == "replicate":
-        ok, need, group = (
-            kind.all_reduce,
-            "hook(state, grad) (an all-reduce hook)",
-            dp.replicate_group,
-        )
-    else:
-        ok, need, group = (
-            kind.reduce_scatter,
-            "hook(state, grad, output) (a reduce-scatter hook)",
-            dp.shard_group,
-        )
-        if dp.mode == "hybrid_shard":
-            replica_hook = (
-                allreduce_hook
-                if kind.fn is reduce_scatter_hook
-                else (hook if kind.all_reduce else None)
-            )
-            if replica_hook is None:
-                ok, need = False, "a hook that also reduces as hook(state, grad), for the replicas"
-    if not ok:
-        raise TypeError(
-            f"{name}: {kind.name!r} cannot reduce a {dp.mode!r} module, which calls {need}"
-        )
-    if state.world_size != dist.get_world_size(group):
-        built = "the mesh group"
-        if dp.mode == "hybrid_shard":
-            built = "mesh.get_group(1), the shard group"
-        raise ValueError(
-            f"{name}: the state's group has {state.world_size} ranks but the module reduces over "
-            f"a group of {dist.get_world_size(group)}; build the state with {built}"
-        )
-    low_precision = isinstance(state, LowPrecisionState)
-    if low_precision and dp.mp_policy.reduce_dtype is not None:
-        raise ValueError(
-            f"{name}: the MixedPrecisionPolicy casts gradients to {dp.mp_policy.reduce_dtype} "
-            "before the hook; a compression hook compresses by itself, so leave reduce_dtype "
-            "unset."
-        )
-    r = dp.reduction
-    r.hook, r.state, r.per_parameter = kind.fn, state, kind.per_parameter
-    if replica_hook is not None:
-        r.replica_hook = replica_hook
-        r.replica_state = _replica_state(state, dp.replicate_group)
-    dp.comm_hook, dp.comm_hook_state = hook, state

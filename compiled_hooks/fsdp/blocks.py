@@ -1,0 +1,77 @@
+"""The blocks ``data_parallel`` gathers together: :func:`default_blocks` finds the layers of a
+model's outermost layer stacks; :func:`warn_no_blocks` tells a user whose model has none."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+__all__ = ["default_blocks", "warn_no_blocks"]
+
+
+def _is_stack(container: nn.Module, layers: dict[str, nn.Module]) -> bool:
+    """Whether ``container``, whose children with parameters are ``layers``, is a stack of layers.
+
+    A list or a sequence always is. A dict is one when it holds two or more layers keyed by
+    index (torchtitan's ``layers["0"]``) or all of one class; otherwise it is a namespace of a
+    model's parts (nanoGPT's ``transformer``: ``wte``, ``wpe``, ``h``, ``ln_f``), and the search
+    goes on inside it."""
+    if isinstance(container, (nn.ModuleList, nn.Sequential)):
+        return True
+    if not isinstance(container, nn.ModuleDict) or len(layers) < 2:
+        return False
+    return all(k.isdigit() for k in layers) or len({type(m) for m in layers.values()}) == 1
+
+
+def default_blocks(module: nn.Module) -> dict[str, nn.Module]:
+    """The blocks :func:`data_parallel` uses without ``blocks=``: path -> block.
+
+    The children with parameters of every outermost stack of layers, in registration order. A
+    stack is an ``nn.ModuleList`` or ``nn.Sequential``, or an ``nn.ModuleDict`` with two or more
+    children with parameters, keyed by index or all of one class (see :func:`_is_stack`);
+    subclasses count. The search walks down from ``module``, which may be a stack itself
+    (``nn.Sequential(a, b)`` gives ``{"0": a, "1": b}``), and does not enter a stack it found.
+
+    ::
+
+        torchtitan Llama  layers (ModuleDict of TransformerBlock)  -> layers.0, layers.1, ...
+        HF GPT-2          transformer.h (ModuleList)               -> transformer.h.0, ...
+        HF Llama          model.layers (ModuleList)                -> model.layers.0, ...
+        nanoGPT           transformer (ModuleDict of mixed parts)
+                            .h (ModuleList)                        -> transformer.h.0, ...
+    """
+    blocks: dict[str, nn.Module] = {}
+
+    def has_parameters(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        children = list(m.named_children())
+        layers = {n: c for n, c in children if has_parameters(c)}
+        if _is_stack(m, layers):
+            blocks.update((prefix + n, c) for n, c in layers.items())
+            return
+        for n, c in children:
+            visit(f"{prefix}{n}.", c)
+
+    visit("", module)
+    return blocks
+
+
+def warn_no_blocks(module: nn.Module) -> None:
+    """Warn when ``module`` spreads its parameters over several modules and no block was found:
+    every parameter is then gathered with the root."""
+    holders = [m for m in module.modules() if any(p is not None for p in m._parameters.values())]
+    if len(holders) <= 1:
+        return
+    warnings.warn(
+        f"data_parallel: no blocks found in {type(module).__name__} (no nn.ModuleList, "
+        "nn.Sequential or nn.ModuleDict of layers): all parameters are gathered "
+        "together with the root, so the whole model is gathered at once in forward and backward "
+        "and no gather overlaps another block's compute. Pass blocks=[...] (for example the "
+        "transformer layers), or blocks=[] to gather everything with the root without this "
+        "warning.",
+        UserWarning,
+        stacklevel=3,
+    )
