@@ -19,7 +19,17 @@ from torch.utils.checkpoint import (
 
 from examples.llama import Config, DecoderLayer, LlamaForCausalLM, parallelize_tp
 
-__all__ = ["llama", "parallelize_tp", "VOCAB", "LAYERS", "torchtitan_sac_policy"]
+__all__ = [
+    "llama",
+    "parallelize_tp",
+    "batches",
+    "loss_backward",
+    "train_side_by_side",
+    "capturing_first",
+    "torchtitan_sac_policy",
+    "VOCAB",
+    "LAYERS",
+]
 
 VOCAB, LAYERS = Config().vocab, Config().layers
 
@@ -98,3 +108,48 @@ def llama(ac: str | None = None) -> LlamaForCausalLM:
     forward) or ``"hf"`` (HuggingFace's checkpointed layer, :class:`HFCheckpointedLayer`)."""
     layer = _HFLayer if ac == "hf" else DecoderLayer
     return apply_ac(LlamaForCausalLM(layer=layer, checkpoint_body=ac == "inner"), ac)
+
+
+def batches(seed: int, steps: int = 3, micro_batches: int = 1) -> list[list[torch.Tensor]]:
+    """``steps`` lists of ``micro_batches`` token batches (2 x 8), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(micro_batches)]
+        for _ in range(steps)
+    ]
+
+
+def loss_backward(module, tokens: torch.Tensor) -> None:
+    module(tokens).square().mean().backward()
+
+
+def train_side_by_side(ref, model, steps, backward=None) -> float:
+    """SGD steps (lr 0.5) of ``ref`` and ``model`` over ``steps`` (lists of micro-batches, whose
+    gradients add up); ``backward(step, tokens)`` runs ``model``'s forward and backward (default
+    :func:`loss_backward`), for a caller that compiles, counts or captures it. The largest
+    relative difference of the two models' parameters, as full tensors, after the last step."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for i, micro_batches in enumerate(steps):
+        for tokens in micro_batches:
+            loss_backward(ref, tokens)
+            (backward or (lambda _, t: loss_backward(model, t)))(i, tokens)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return max(
+        ((b.full_tensor() - a.full_tensor()).abs().max() / a.full_tensor().abs().max()).item()
+        for a, b in zip(ref.parameters(), model.parameters())
+    )
+
+
+def capturing_first(run, codes: list[str]):
+    """A ``backward`` for :func:`train_side_by_side` that runs ``run``'s step, the first one
+    under ``run_and_get_code``: the code Inductor generates for it goes to ``codes``."""
+    from torch._inductor.utils import run_and_get_code
+
+    def backward(step: int, tokens: torch.Tensor) -> None:
+        if step:
+            return loss_backward(run, tokens)
+        codes.extend(run_and_get_code(loss_backward, run, tokens)[1])
+
+    return backward

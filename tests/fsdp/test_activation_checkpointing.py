@@ -19,8 +19,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from compiled_hooks.fsdp import data_parallel
 from passes import bucket_block_all_gathers, bucket_block_reduce_scatters
 from passes.testing import fake_process_group, gathered_bytes_alive
-from tests.fsdp.llama import LAYERS, VOCAB, llama
-from tests.fsdp.test_data_parallel import make_mesh, rel
+from tests.fsdp.llama import (
+    LAYERS,
+    VOCAB,
+    batches,
+    capturing_first,
+    llama,
+    loss_backward,
+    train_side_by_side,
+)
+from tests.fsdp.test_data_parallel import make_mesh
 from tests.graphs import data_parallel_graphs, gather_reduce_counts
 from tests.ranks import run_ranks
 
@@ -62,29 +70,21 @@ def ac_worker(rank, world_size, mode, compiled, kinds):
             ref = fsdp2_llama(ac, mesh, reshard)
             model = data_parallel(llama(ac), mesh, mode=mode, reshard_after_forward=reshard)
             run = torch.compile(model, backend=compiled, fullgraph=True) if compiled else model
-            opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
-            g = torch.Generator().manual_seed(rank)
             counts = []
-            for _ in range(3):
-                tokens = torch.randint(0, VOCAB, (2, 8), generator=g)
-                ref(tokens).square().mean().backward()
-                if compiled:  # a dispatch mode would keep Dynamo out
-                    run(tokens).square().mean().backward()
-                else:
-                    forward, backward = Collectives(), Collectives()
-                    with forward:
-                        loss = run(tokens).square().mean()
-                    with backward:
-                        loss.backward()
-                    counts.append([forward.gathers, backward.gathers, backward.reduce_scatters])
-                for opt in opts:
-                    opt.step()
-                    opt.zero_grad()
-            diff = max(
-                rel(b.full_tensor(), a.full_tensor())
-                for a, b in zip(ref.parameters(), model.parameters())
-            )
-            out[ac, reshard] = diff, counts[:1]
+
+            def backward(step, tokens, run=run, counts=counts):
+                # the first eager step counted (compiled, a dispatch mode would keep Dynamo out)
+                if compiled or step:
+                    return loss_backward(run, tokens)
+                fw, bw = Collectives(), Collectives()
+                with fw:
+                    loss = run(tokens).square().mean()
+                with bw:
+                    loss.backward()
+                counts.append([fw.gathers, bw.gathers, bw.reduce_scatters])
+
+            diff = train_side_by_side(ref, model, batches(rank), backward)
+            out[ac, reshard] = diff, counts
     return out
 
 
@@ -144,9 +144,29 @@ def test_compiled_recompute_gathers_per_block_only_when_resharding(ac):
         assert counts == {"forward": [blocks, 0], "backward": [blocks if reshard else 0, blocks]}
 
 
-def inductor_worker(rank, world_size, ac, reshard):
-    from torch._inductor.utils import run_and_get_code
+@pytest.mark.slow
+def test_hybrid_shard_recompute_gathers_per_block_after_the_passes():
+    """hybrid_shard on a 2 x 2 (replicate, shard) fake mesh with full checkpointing: after the
+    block passes one all-gather per block in forward, and in backward one re-gather per block
+    when resharding, none when keeping. (Its reduce-scatters stay one per parameter: the
+    replicas' all-reduce reads each result, and ``bucket_block_reduce_scatters`` leaves a chain
+    whose result feeds a collective alone, with checkpointing as without.)"""
+    fake_process_group(4)
+    blocks = 1 + LAYERS
+    for reshard in (True, False):
+        torch._dynamo.reset()
+        mesh = make_mesh("hybrid_shard", 4)
+        model = data_parallel(
+            llama("full"), mesh, mode="hybrid_shard", reshard_after_forward=reshard
+        )
+        gathers = {}
+        for kind, gm in data_parallel_graphs(model, torch.randint(0, VOCAB, (2, 8))):
+            bucket_block_all_gathers(gm.graph)
+            gathers[kind] = gather_reduce_counts(gm)[0]
+        assert gathers == {"forward": blocks, "backward": blocks if reshard else 0}
 
+
+def inductor_worker(rank, world_size, ac, reshard):
     import passes
 
     torch._inductor.config.fx_graph_cache = False
@@ -154,23 +174,9 @@ def inductor_worker(rank, world_size, ac, reshard):
     ref = fsdp2_llama(ac, mesh, reshard)
     model = data_parallel(llama(ac), mesh, reshard_after_forward=reshard)
     run = torch.compile(model, fullgraph=True)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
-    g = torch.Generator().manual_seed(rank)
+    codes: list[str] = []
     with passes.install():
-        codes = []
-        for step in range(3):
-            tokens = torch.randint(0, VOCAB, (2, 8), generator=g)
-            ref(tokens).square().mean().backward()
-            if step == 0:
-                _, codes = run_and_get_code(lambda t: run(t).square().mean().backward(), tokens)
-            else:
-                run(tokens).square().mean().backward()
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-    diff = max(
-        rel(b.full_tensor(), a.full_tensor()) for a, b in zip(ref.parameters(), model.parameters())
-    )
+        diff = train_side_by_side(ref, model, batches(rank), capturing_first(run, codes))
     # gloo: the block passes' all-gathers and reduce-scatters go out as all-to-alls
     return diff, [
         len(re.findall(r"_c10d_functional\.all_to_all_single\.default\(", c)) for c in codes

@@ -8,8 +8,15 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from compiled_hooks.fsdp import data_parallel
-from tests.fsdp.llama import LAYERS, VOCAB, llama
-from tests.fsdp.test_data_parallel import make_mesh, rel
+from tests.fsdp.llama import (
+    LAYERS,
+    batches,
+    capturing_first,
+    llama,
+    loss_backward,
+    train_side_by_side,
+)
+from tests.fsdp.test_data_parallel import make_mesh
 from tests.ranks import run_ranks
 
 
@@ -26,19 +33,8 @@ def accumulation_worker(rank, world_size):
     mesh = make_mesh("fully_shard", world_size)
     ref, model = fsdp2_llama(mesh), data_parallel(llama(), mesh)
     run = torch.compile(model, backend="aot_eager", fullgraph=True)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        for _ in range(2):
-            tokens = torch.randint(0, VOCAB, (2, 8), generator=g)
-            ref(tokens).square().mean().backward()
-            run(tokens).square().mean().backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    return max(
-        rel(b.full_tensor(), a.full_tensor()) for a, b in zip(ref.parameters(), model.parameters())
-    )
+    steps = batches(rank, micro_batches=2)
+    return train_side_by_side(ref, model, steps, lambda _, t: loss_backward(run, t))
 
 
 @pytest.mark.slow
@@ -48,8 +44,6 @@ def test_gradient_accumulation_matches_fsdp2():
 
 
 def regional_worker(rank, world_size):
-    from torch._inductor.utils import run_and_get_code
-
     import passes
 
     torch._inductor.config.fx_graph_cache = False
@@ -57,23 +51,9 @@ def regional_worker(rank, world_size):
     ref, model = fsdp2_llama(mesh), data_parallel(llama(), mesh)
     for layer in model.model.layers:
         layer.compile(fullgraph=True)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
-    g = torch.Generator().manual_seed(rank)
-    codes = []
+    codes: list[str] = []
     with passes.install():
-        for step in range(3):
-            tokens = torch.randint(0, VOCAB, (2, 8), generator=g)
-            ref(tokens).square().mean().backward()
-            if step == 0:
-                _, codes = run_and_get_code(lambda t: model(t).square().mean().backward(), tokens)
-            else:
-                model(tokens).square().mean().backward()
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-    diff = max(
-        rel(b.full_tensor(), a.full_tensor()) for a, b in zip(ref.parameters(), model.parameters())
-    )
+        diff = train_side_by_side(ref, model, batches(rank), capturing_first(model, codes))
     a2a = r"_c10d_functional\.all_to_all_single\.default\("
     return diff, sorted(len(re.findall(a2a, code)) for code in codes)
 
