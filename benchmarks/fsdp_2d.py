@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
+from fsdp_step import INDUCTOR_FSDP_BUCKETING, Average, Tagged
 from launch import launch
 from llama import Config, LlamaForCausalLM, parallelize_tp
 
@@ -53,7 +54,6 @@ from passes.pipeline import Pipeline, default_pipeline
 
 CONFIG = Config(vocab=2048, dim=256, heads=8, kv_heads=4, hidden=704, layers=4)
 MB = 2**20
-INDUCTOR_FSDP_BUCKETING = {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all"}
 # a collective's op name -> (index of the tensor that holds its full size, times the group size)
 _FUNCTIONAL = {
     "all_gather_into_tensor": (0, True),
@@ -63,31 +63,6 @@ _FUNCTIONAL = {
 }
 
 
-class Tagged(nn.Module):
-    """``model`` plus a parameter whose size is the configuration's own, so that no two
-    configurations share a compiled graph."""
-
-    def __init__(self, model: nn.Module, tag: int):
-        super().__init__()
-        self.model, self.tag = model, nn.Parameter(torch.zeros(2 * (tag + 1)))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens) + self.tag.sum()
-
-
-class _Average(torch.autograd.Function):
-    """Identity forward; divides the gradient by the data-parallel size (SimpleFSDP sums)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, world: int) -> torch.Tensor:
-        ctx.world = world
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad / ctx.world, None
-
-
 def simple_fsdp_tp(model: nn.Module, dp) -> nn.Module:
     """SimpleFSDP's 2-D design: each parameter's TP local tensor a ``Shard(0)`` DTensor on
     ``dp``, all-gathered on every read and re-wrapped on its TP mesh."""
@@ -95,7 +70,7 @@ def simple_fsdp_tp(model: nn.Module, dp) -> nn.Module:
 
     def read(self: nn.Module, name: str) -> torch.Tensor:
         full = self._parameters[name].redistribute(placements=[Replicate()])
-        local = _Average.apply(full.to_local(grad_placements=[Partial()]), world)
+        local = Average.apply(full.to_local(grad_placements=[Partial()]), world)
         tp = self._tp[name]
         if tp is None:
             return local
@@ -194,45 +169,21 @@ class Run:
         self.model = net
         self.opt = torch.optim.SGD(net.parameters(), lr=1e-3)
 
-    def context(self):
-        if self.pipeline is None:
-            return _NullContext()
-        if self.name.startswith("SimpleFSDP"):
-            return _Patched(torch._inductor.config, INDUCTOR_FSDP_BUCKETING, self.pipeline)
-        return passes.install(self.pipeline)
+    def context(self) -> contextlib.AbstractContextManager:
+        """The pipeline installed (compiled configurations), with Inductor's FSDP bucketing for
+        the SimpleFSDP-style one."""
+        stack = contextlib.ExitStack()
+        if self.pipeline is not None:
+            if self.name.startswith("SimpleFSDP"):
+                stack.enter_context(torch._inductor.config.patch(INDUCTOR_FSDP_BUCKETING))
+            stack.enter_context(passes.install(self.pipeline))
+        return stack
 
     def step(self, tokens: torch.Tensor) -> None:
         with self.context():
             self.step_fn(tokens).float().square().mean().backward()
         self.opt.step()
         self.opt.zero_grad()
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-class _Patched:
-    """Inductor options set, and a pipeline installed, for the duration."""
-
-    def __init__(self, config: Any, options: dict[str, Any], pipeline: Pipeline):
-        self.config, self.options, self.pipeline = config, options, pipeline
-
-    def __enter__(self) -> None:
-        self.saved = {k: getattr(self.config, k) for k in self.options}
-        for k, v in self.options.items():
-            setattr(self.config, k, v)
-        self.installed = passes.install(self.pipeline)
-        self.installed.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.installed.__exit__(*exc)
-        for k, v in self.saved.items():
-            setattr(self.config, k, v)
 
 
 NAMES = [

@@ -117,7 +117,7 @@ def simple_fsdp(model: nn.Module, mesh, mp: MixedPrecisionPolicy) -> nn.Module:
         full = self._parameters[name].redistribute(
             placements=[Replicate()], forward_dtype=mp.param_dtype, backward_dtype=mp.reduce_dtype
         )
-        return _Average.apply(full.to_local(grad_placements=[Partial()]), world)
+        return Average.apply(full.to_local(grad_placements=[Partial()]), world)
 
     for m in list(model.modules()):
         names = [n for n, p in m._parameters.items() if p is not None]
@@ -134,7 +134,7 @@ def simple_fsdp(model: nn.Module, mesh, mp: MixedPrecisionPolicy) -> nn.Module:
     return model
 
 
-class _Average(torch.autograd.Function):
+class Average(torch.autograd.Function):
     """Identity forward; divides the gradient by the world size (SimpleFSDP sums)."""
 
     @staticmethod
