@@ -18,6 +18,7 @@ from torch.utils.checkpoint import (
 )
 
 from examples.llama import Config, DecoderLayer, LlamaForCausalLM, parallelize_tp
+from tests.fsdp.test_data_parallel import rel
 
 __all__ = [
     "llama",
@@ -137,8 +138,7 @@ def train_side_by_side(ref, model, steps, backward=None) -> float:
             opt.step()
             opt.zero_grad()
     return max(
-        ((b.full_tensor() - a.full_tensor()).abs().max() / a.full_tensor().abs().max()).item()
-        for a, b in zip(ref.parameters(), model.parameters())
+        rel(b.full_tensor(), a.full_tensor()) for a, b in zip(ref.parameters(), model.parameters())
     )
 
 
