@@ -148,9 +148,7 @@ def test_compiled_recompute_gathers_per_block_only_when_resharding(ac):
 def test_hybrid_shard_recompute_gathers_per_block_after_the_passes():
     """hybrid_shard on a 2 x 2 (replicate, shard) fake mesh with full checkpointing: after the
     block passes one all-gather per block in forward, and in backward one re-gather per block
-    when resharding, none when keeping. (Its reduce-scatters stay one per parameter: the
-    replicas' all-reduce reads each result, and ``bucket_block_reduce_scatters`` leaves a chain
-    whose result feeds a collective alone, with checkpointing as without.)"""
+    when resharding, none when keeping, and one reduce-scatter per block."""
     fake_process_group(4)
     blocks = 1 + LAYERS
     for reshard in (True, False):
@@ -159,11 +157,12 @@ def test_hybrid_shard_recompute_gathers_per_block_after_the_passes():
         model = data_parallel(
             llama("full"), mesh, mode="hybrid_shard", reshard_after_forward=reshard
         )
-        gathers = {}
+        counts = {}
         for kind, gm in data_parallel_graphs(model, torch.randint(0, VOCAB, (2, 8))):
             bucket_block_all_gathers(gm.graph)
-            gathers[kind] = gather_reduce_counts(gm)[0]
-        assert gathers == {"forward": blocks, "backward": blocks if reshard else 0}
+            bucket_block_reduce_scatters(gm.graph)
+            counts[kind] = gather_reduce_counts(gm)
+        assert counts == {"forward": [blocks, 0], "backward": [blocks if reshard else 0, blocks]}
 
 
 def inductor_worker(rank, world_size, ac, reshard):

@@ -442,7 +442,7 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
 # --- Inductor with the passes: one collective per block, in the generated code ---------------
 
 
-def inductor_worker(rank, world_size, reshard):
+def inductor_worker(rank, world_size, mode, reshard):
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -450,9 +450,9 @@ def inductor_worker(rank, world_size, reshard):
     import passes
 
     torch._inductor.config.fx_graph_cache = False
-    mesh = make_mesh("fully_shard", world_size)
-    ref = fsdp2(mesh, "fully_shard", reshard, None)
-    model = data_parallel(Net(), mesh, reshard_after_forward=reshard)
+    mesh = make_mesh(mode, world_size)
+    ref = fsdp2(mesh, mode, reshard, None)
+    model = data_parallel(Net(), mesh, mode=mode, reshard_after_forward=reshard)
     run = torch.compile(model, fullgraph=True)
     tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(rank))
     with passes.install():
@@ -471,13 +471,22 @@ def inductor_worker(rank, world_size, reshard):
         count("all_to_all_single", backward),
         count("reduce_scatter_tensor", forward + backward),
         count("all_gather_into_tensor", forward + backward),
+        count("all_reduce_?", backward),  # Inductor writes it in place: all_reduce_
     ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-def test_inductor_with_passes_one_collective_per_block(reshard):
+@pytest.mark.parametrize(
+    "world_size,mode,reshard",
+    [(2, "fully_shard", True), (2, "fully_shard", False), (4, "hybrid_shard", False)],
+    ids=["reshard", "keep", "hybrid_shard-keep"],
+)
+def test_inductor_with_passes_one_collective_per_block(world_size, mode, reshard):
+    """One all-gather per block in forward (and in backward when resharding), one
+    reduce-scatter per block in backward, and with hybrid_shard one replica all-reduce per
+    block after it; the parameters as FSDP2's."""
     blocks = 3  # the root (embedding / tied output layer), blocks.0, blocks.1
-    for diffs, counts in run_ranks(inductor_worker, 2, reshard, timeout=600):
+    replicas = blocks if mode == "hybrid_shard" else 0
+    for diffs, counts in run_ranks(inductor_worker, world_size, mode, reshard, timeout=600):
         assert max(diffs) <= 1e-6, diffs
-        assert counts == [blocks, blocks * (2 if reshard else 1), 0, 0], counts
+        assert counts == [blocks, blocks * (2 if reshard else 1), 0, 0, replicas], counts

@@ -89,14 +89,15 @@ def test_matches_fsdp2_with_the_same_tensor_parallel_plan(world_size, mode, comp
                 assert ours == fsdp2s and same_mesh, (rank, name, ours, fsdp2s)
 
 
-def _census(gm, dp_group, tp_group):
-    """Per (op, group): the collectives of ``gm``, and TP's collectives with their arguments."""
+def _census(gm, owners):
+    """Per (op, owner): the collectives of ``gm`` (``owners`` names each group), and TP's
+    collectives with their arguments."""
     counts, tp_nodes = collections.Counter(), []
     for n in gm.graph.nodes:
         if n.op != "call_function" or "_c10d_functional" not in str(n.target):
             continue
         group = n.args[-1] if "wait" not in str(n.target) else n.args[0].args[-1]
-        owner = {dp_group: "dp", tp_group: "tp"}[group]
+        owner = owners[group]
         counts[n.target._opname, owner] += 1
         if owner == "tp":
             tp_nodes.append((n.name, n.target, str(n.args)))
@@ -104,26 +105,36 @@ def _census(gm, dp_group, tp_group):
 
 
 @pytest.mark.slow
-def test_passes_bucket_the_data_parallel_collectives_and_leave_tensor_parallels_alone():
-    """The compiled 2x2 step (fake process group) through the default pipeline: one ``dp``
-    all-gather per block in forward and again in backward (resharding), one ``dp``
-    reduce-scatter per block, and TP's collectives and their waits exactly as traced."""
-    fake_process_group(4)
-    _, dp, tp = meshes("fully_shard", 4)
-    model = data_parallel(parallelize_tp(llama(), tp), dp)
-    dp_group, tp_group = dp.get_group().group_name, tp.get_group().group_name
+@pytest.mark.parametrize("mode,world_size", [("fully_shard", 4), ("hybrid_shard", 8)])
+def test_passes_bucket_the_data_parallel_collectives_and_leave_tensor_parallels_alone(
+    mode, world_size
+):
+    """The compiled 2x2 step, and 2x2x2 with hybrid_shard (fake process group), through the
+    default pipeline: one ``dp`` all-gather per block in forward and again in backward
+    (resharding), one ``dp`` reduce-scatter per block (with hybrid_shard, followed by one
+    replica all-reduce per block), and TP's collectives and their waits exactly as traced."""
+    fake_process_group(world_size)
+    _, dp, tp = meshes(mode, world_size)
+    model = data_parallel(parallelize_tp(llama(), tp), dp, mode=mode)
+    shard = dp["shard"] if mode == "hybrid_shard" else dp
+    owners = {shard.get_group().group_name: "dp", tp.get_group().group_name: "tp"}
+    if mode == "hybrid_shard":
+        owners[dp["replicate"].get_group().group_name] = "replica"
     blocks = 1 + LAYERS
     pipeline = default_pipeline()
     for kind, gm in data_parallel_graphs(model, torch.randint(0, VOCAB, (2, 8))):
-        before, tp_before = _census(gm, dp_group, tp_group)
+        before, tp_before = _census(gm, owners)
         pipeline(gm.graph)
-        after, tp_after = _census(gm, dp_group, tp_group)
+        after, tp_after = _census(gm, owners)
         assert tp_after == tp_before and tp_before, kind
         assert {k: v for k, v in after.items() if k[1] == "tp"} == {
             k: v for k, v in before.items() if k[1] == "tp"
         }
+        reduced = blocks if kind == "backward" else 0
         assert after["all_gather_into_tensor", "dp"] == blocks, (kind, after)
-        assert after["reduce_scatter_tensor", "dp"] == (blocks if kind == "backward" else 0)
+        assert after["reduce_scatter_tensor", "dp"] == reduced, (kind, after)
+        if mode == "hybrid_shard":
+            assert after["all_reduce", "replica"] == reduced, (kind, after)
 
 
 def hooks_worker(rank, world_size):

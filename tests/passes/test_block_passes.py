@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
 
 from compiled_hooks.compat import all_gather_single, reduce_scatter_single
 from compiled_hooks.fsdp.gather import BLOCK
@@ -21,7 +22,7 @@ from passes import (
     reduce_scatter_as_all_to_all,
     schedule_collectives,
 )
-from passes._graph import ALL_GATHER, CAST_OPS, REDUCE_SCATTER
+from passes._graph import ALL_GATHER, ALL_REDUCE, CAST_OPS, REDUCE_SCATTER
 from passes._graph import ALL_TO_ALL as passes_ALL_TO_ALL
 from passes.testing import gathered_bytes_alive, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
@@ -73,6 +74,31 @@ def reduce_graph(blocks=("0", "0", "1")):
     return mark(
         trace(reduce_fn, torch.randn(4, 3), torch.randn(6), torch.randn(2, 2), world_size=2), blocks
     )
+
+
+def hybrid_reduce_fn(g1, g2, g3, k):
+    """Three gradients reduce-scattered, each result then all-reduced over the replicas as
+    hybrid_shard's replica hook does (pre-divided by 2, or by ``k``, a non-constant factor, when
+    given): the shape Inductor's post-grad graph has once its no-op copies are gone."""
+    g = dist.group.WORLD
+    outs = []
+    for x in (torch.sin(g1), torch.sin(g2), torch.sin(g3)):
+        shard = reduce_scatter_single((x / 2).reshape(-1), "sum", 0, g)
+        outs.append(fcol.all_reduce(shard / (2 if k is None else k), "sum", g) + 1)
+    return outs
+
+
+def hybrid_reduce_graph(non_constant=False):
+    """hybrid_reduce_fn's graph, each member's reduce-scatter and all-reduce marked with its
+    block: two of block "0", one of block "1"."""
+    _ = trace(lambda: None, world_size=2)
+    args = [torch.randn(4, 3), torch.randn(6), torch.randn(2, 2)]
+    fn = hybrid_reduce_fn if non_constant else (lambda *g: hybrid_reduce_fn(*g, None))
+    gm = trace(fn, *args, *([torch.randn(())] if non_constant else []), world_size=2)
+    colls = [n for n in gm.graph.nodes if n.target in (REDUCE_SCATTER, ALL_REDUCE)]
+    for node, block in zip(colls, ["0", "0", "0", "0", "1", "1"], strict=True):
+        node.meta["custom"] = {BLOCK: block}
+    return gm
 
 
 class TestBucketBlockAllGathers(PassTestCase):
@@ -204,6 +230,61 @@ add_2: f32[2] = aten.add(convert_element_type_5, 1)
 return [add, add_1, add_2]""",
         )
         self.assertTrue(check_rewrite("bucket_block_reduce_scatters", before, gm.graph))
+
+    def test_hybrid_shard_one_reduce_scatter_then_one_all_reduce_per_block(self):
+        gm = hybrid_reduce_graph()
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, bucket_block_reduce_scatters)
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
+arg0_1: f32[4, 3] = input
+arg1_1: f32[6] = input
+arg2_1: f32[2, 2] = input
+sin: f32[4, 3] = aten.sin(arg0_1)
+sin_1: f32[6] = aten.sin(arg1_1)
+div: f32[4, 3] = aten.div(sin, 2)
+view: f32[12] = aten.view(div, [-1])
+reshape_default: f32[2, 6] = aten.reshape(view, [2, -1])
+div_2: f32[6] = aten.div(sin_1, 2)
+view_1: f32[6] = aten.view(div_2, [-1])
+reshape_default_1: f32[2, 3] = aten.reshape(view_1, [2, -1])
+bucket_cat: f32[2, 9] = aten.cat([reshape_default, reshape_default_1], 1)
+reshape_default_2: f32[18] = aten.reshape(bucket_cat, [-1])
+bucket_reduce_scatter_tensor: f32[9] = c10d.reduce_scatter_tensor(reshape_default_2, 'sum', 2, group(size=2))
+sin_2: f32[2, 2] = aten.sin(arg2_1)
+div_4: f32[2, 2] = aten.div(sin_2, 2)
+view_2: f32[4] = aten.view(div_4, [-1])
+reduce_scatter_tensor_2: f32[2] = c10d.reduce_scatter_tensor(view_2, 'sum', 2, group(size=2))
+wait_tensor_4: f32[2] = c10d.wait_tensor(reduce_scatter_tensor_2)
+div_5: f32[2] = aten.div(wait_tensor_4, 2)
+bucket_wait: f32[9] = c10d.wait_tensor(bucket_reduce_scatter_tensor)
+bucket_pieces: (f32[6], f32[3]) = aten.split_with_sizes(bucket_wait, [6, 3])
+getitem: f32[6] = getitem(bucket_pieces, 0)
+getitem_1: f32[3] = getitem(bucket_pieces, 1)
+div_1: f32[6] = aten.div(getitem, 2)
+div_3: f32[3] = aten.div(getitem_1, 2)
+bucket_cat_1: f32[9] = aten.cat([div_1, div_3], 0)
+bucket_all_reduce: f32[9] = c10d.all_reduce(bucket_cat_1, 'sum', group(size=2))
+all_reduce_2: f32[2] = c10d.all_reduce(div_5, 'sum', group(size=2))
+wait_tensor_5: f32[2] = c10d.wait_tensor(all_reduce_2)
+bucket_wait_1: f32[9] = c10d.wait_tensor(bucket_all_reduce)
+bucket_pieces_1: (f32[6], f32[3]) = aten.split_with_sizes(bucket_wait_1, [6, 3])
+getitem_2: f32[6] = getitem(bucket_pieces_1, 0)
+getitem_3: f32[3] = getitem(bucket_pieces_1, 1)
+add: f32[6] = aten.add(getitem_2, 1)
+add_1: f32[3] = aten.add(getitem_3, 1)
+add_2: f32[2] = aten.add(wait_tensor_5, 1)
+return [add, add_1, add_2]""",
+        )
+        self.assertTrue(check_rewrite("bucket_block_reduce_scatters", before, gm.graph))
+
+    def test_hybrid_shard_replica_chain_with_a_non_constant_factor_is_left_alone(self):
+        """The replica hook's division by a traced value: in the graph Inductor's passes see it
+        follows the reduce-scatter's wait directly, so both chains carry a non-constant factor
+        and neither moves."""
+        gm = hybrid_reduce_graph(non_constant=True)
+        self.assertUntouched(gm, bucket_block_reduce_scatters, "non-constant factor")
 
     def test_non_constant_factor_is_left_alone(self):
         def fn(g1, g2, k):
