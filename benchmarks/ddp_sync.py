@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -182,7 +183,7 @@ class Config:
         self.collectives = len(functional or events) / steps
         if self.wire_bytes is None:
             self.wire_bytes = (
-                sum(_numel(e.input_shapes[0]) * itemsize(e.input_dtypes[0]) for e in functional)
+                sum(math.prod(e.input_shapes[0]) * itemsize(e.input_dtypes[0]) for e in functional)
                 / steps
             )
         # the op, not its kernel
@@ -237,13 +238,6 @@ def timeline(events: list) -> list[str]:
         if a is not None
     ]
     return lines
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def wire_ms(elements: int, dtype: torch.dtype, reps: int = 10) -> tuple[float, float]:

@@ -4,7 +4,7 @@ calls.
     python benchmarks/pass_time.py [--calls 800 3300] [--world-size 8]
 
 Each graph is what a compiled DDP backward with ``bf16_compress_hook`` looks like to the passes
-(``tests/graphs.py``'s ``ddp_fn``: every gradient computed, then reduced by the hook), traced
+(:func:`ddp_backward`: every gradient computed, then reduced by the hook), traced
 with a fake process group (no processes). For each size: the node count, every pass's time in
 ``default_pipeline()`` order and the pipeline's total, as ``Pipeline.run`` reports them in
 ``counters["passes"]`` (the total includes its sort and lint; medians of ``--repeat`` fresh
@@ -24,15 +24,26 @@ import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch.distributed as dist
+
+import compiled_hooks as ch
 import passes
 from passes.testing import fake_process_group, trace
 from passes.verify import copy_graph
-from tests.graphs import ddp_args, ddp_fn
+
+
+def ddp_backward(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each gradient computed (``sin``), then reduced in place by ``bf16_compress_hook``."""
+    state = ch.LowPrecisionState(dist.group.WORLD)
+    for g in grads:
+        g.copy_(torch.sin(g))
+        ch.bf16_compress_hook(state, g)
+    return grads
 
 
 def measure(calls: int, world_size: int, repeat: int) -> tuple[int, dict[str, float]]:
     fake_process_group(world_size)
-    gm = trace(ddp_fn("bf16"), *ddp_args([(64,)] * calls), world_size=world_size)
+    gm = trace(ddp_backward, *(torch.randn(64) for _ in range(calls)), world_size=world_size)
     pipeline = passes.default_pipeline()
     names = [p.__name__ for p in pipeline.passes] + ["pipeline"]
     times: dict[str, list[float]] = {name: [] for name in names}

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import time
 
 import results
 import torch
 import torch.distributed as dist
-from ddp_sync import COLLECTIVES, _itemsize, _numel, loss_of, make_model
-from launch import add_link_argument, describe_link, launch
+from ddp_sync import COLLECTIVES, loss_of, make_model
+from launch import add_link_argument, describe_link, itemsize, launch
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
@@ -109,7 +110,7 @@ class Config:
         self.collectives = len(functional or events) / steps
         self.mb = (
             sum(
-                _numel(e.input_shapes[0]) * _itemsize(e.input_dtypes[0])
+                math.prod(e.input_shapes[0]) * itemsize(e.input_dtypes[0])
                 for e in (functional or events)
             )
             / steps

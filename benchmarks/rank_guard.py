@@ -60,13 +60,9 @@ class Copy:
         return time.perf_counter() - t0
 
 
-def _guarded_collectives() -> int:
-    return sum(g.issued for g in rank_guard._groups.values() if g is not None)
-
-
 def fast_path_us(calls: int = 20000) -> float:
     """Steady-state cost of one guard call (an agreed record), in microseconds."""
-    record = next(iter(rank_guard._plans))
+    record = rank_guard.agreed_records()[0]
     op = torch.ops.compiled_hooks.check_ranks.default
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -90,9 +86,9 @@ def run(rank: int, world_size: int, args) -> bool:
     for step in range(2, args.steps + 2):
         k = step % len(copies)
         for c in copies[k:] + copies[:k]:
-            before = _guarded_collectives()
+            before = rank_guard.issued_collectives()
             c.times.append(c.step(step))
-            grew = _guarded_collectives() - before
+            grew = rank_guard.issued_collectives() - before
             if bool(grew) != c.guard:
                 raise RuntimeError(
                     f"step {step}: the copy {c.name!r} {'did not run' if c.guard else 'ran'} a "

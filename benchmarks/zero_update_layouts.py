@@ -4,7 +4,8 @@ rank-independent ways of updating only this rank's half.
 
     python benchmarks/zero_update_layouts.py
 
-One process, one thread, each variant compiled with Inductor, medians of 12 calls:
+One process, one thread, each variant compiled with Inductor, medians of ``--calls`` calls
+(default 12):
 
 - all: the whole flat update (what every rank computes where the sharded update does not apply);
 - gather: this rank's elements through an index table read at run time (``flat[table[rank]]``
@@ -28,6 +29,7 @@ One process, one thread, each variant compiled with Inductor, medians of 12 call
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -71,9 +73,14 @@ def median_ms(fn, *args, calls: int = 12, warmup: int = 3) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=3_200_000, help="parameters, all tensors")
+    parser.add_argument("--members", type=int, default=52, help="parameter tensors")
+    parser.add_argument("--calls", type=int, default=12, help="timed calls of each variant")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     torch._dynamo.config.capture_scalar_outputs = True  # the unbacked variants' .item()
-    members, n = 52, 3_200_000
+    members, n = args.members, args.numel
     sizes = [n // members] * members
     n, half = sum(sizes), sum(sizes) // 2
     params = [torch.randn(s) for s in sizes]
@@ -242,8 +249,10 @@ def main() -> None:
         f"{torch.__version__}, {time.strftime('%Y-%m-%d')}\n"
     )
     print("| update | elements | median (ms) |\n|---|---:|---:|")
-    for name, elements, fn, args in rows:
-        print(f"| {name} | {elements / 1e6:.1f}M | {median_ms(fn, *args):.1f} |")
+    for name, elements, fn, inputs in rows:
+        print(
+            f"| {name} | {elements / 1e6:.1f}M | {median_ms(fn, *inputs, calls=args.calls):.1f} |"
+        )
 
 
 if __name__ == "__main__":

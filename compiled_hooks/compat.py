@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 from collections.abc import Callable
 from typing import Any, Final
@@ -62,6 +63,7 @@ __all__ = [
     "concatenate_meshes",
     "default_group",
     "default_store",
+    "group_timeout",
     "compiled_autograd_enabled",
     "python_reducer",
     "set_python_reducer",
@@ -234,6 +236,15 @@ def default_group() -> dist.ProcessGroup | None:
 def default_store() -> dist.Store:
     """The default group's store."""
     return _c10d._get_default_store()
+
+
+def group_timeout(pg: dist.ProcessGroup) -> datetime.timedelta:
+    """How long ``pg``'s collectives wait before they fail: its CPU backend's timeout, or the
+    default collective timeout where the backend has no options (a fake or custom one)."""
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - no backend for CPU, or one without options
+        return _c10d.default_pg_timeout
 
 
 # Compiled autograd and DDP's python reducer -------------------------------------------------

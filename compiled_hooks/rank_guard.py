@@ -42,14 +42,19 @@ import logging
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._dynamo.utils import counters
 
 from . import compat
 
-__all__ = ["RankDivergenceError", "check", "unraised_verdict"]
+__all__ = [
+    "RankDivergenceError",
+    "agreed_records",
+    "check",
+    "issued_collectives",
+    "unraised_verdict",
+]
 
 log = logging.getLogger("passes.rank_guard")  # under the passes' log: TORCH_LOGS="passes" shows it
 POLL_SECONDS = 0.2  # watchdog period; also the longest a check waits between store reads
@@ -88,6 +93,12 @@ class _Group:
             self.verdict = message
             self.store.add(self.key("acks"), 1)
 
+    def publish(self, message: str) -> None:
+        """Make ``message`` the group's verdict unless another rank's came first, and learn the
+        one that stands, so every rank raises the same text."""
+        self.learn(self.store.compare_set(self.key("verdict"), "", message).decode())
+        self.store.add(self.key("events"), 1)
+
     def read_verdict(self) -> bool:
         """Learn the verdict another rank published, if there is one."""
         if not self.store.check([self.key("verdict")]):
@@ -116,6 +127,19 @@ def unraised_verdict() -> RankDivergenceError | None:
             (g for g in _groups.values() if g is not None and g.verdict and not g.raised), None
         )
     return None if group is None else group.error()
+
+
+def issued_collectives() -> int:
+    """The collectives of guarded graphs this rank has started, over every group it compares
+    on."""
+    with _lock:
+        return sum(g.issued for g in _groups.values() if g is not None)
+
+
+def agreed_records() -> list[str]:
+    """The records (see :mod:`passes.insert_rank_guard`) every rank has agreed on, in the order
+    this rank first checked them; each is a valid argument of :func:`check`."""
+    return list(_plans)
 
 
 def check(record: str) -> None:
@@ -155,18 +179,13 @@ def _group(name: str) -> _Group | None:
     group = None
     # else nothing to compare with
     if pg.size() > 1 and str(c10d.get_backend(pg)).lower() != "fake":
-        try:
-            timeout = pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        except Exception:
-            # a backend without options: the default collective timeout
-            timeout = c10d.default_pg_timeout.total_seconds()
         group = _Group(
             name,
             pg,
             dist.get_process_group_ranks(pg),
             dist.get_rank(),
             compat.default_store(),
-            timeout,
+            compat.group_timeout(pg).total_seconds(),
         )
     with _lock:
         return _groups.setdefault(name, group)
@@ -215,7 +234,7 @@ def _exchange(group: _Group, entries: list) -> None:
         if group.read_verdict():  # another rank found a divergence elsewhere
             raise group.error()
         if pending and time.monotonic() > deadline:
-            group.learn(
+            group.publish(
                 f"rank guard: rank(s) {pending} of process group {group.name!r} did not reach "
                 f"collective #{pos} on it within {group.timeout:.0f} s (the group's timeout), "
                 f"where rank {group.me} waits to start a new graph with {_describe(entries[0])}"
@@ -223,10 +242,7 @@ def _exchange(group: _Group, entries: list) -> None:
             raise group.error()
     message = _compare(group, pos, answers, how)
     if message is not None:
-        group.learn(message)
-        if not store.check([group.key("verdict")]):
-            store.set(group.key("verdict"), message)
-        store.add(group.key("events"), 1)
+        group.publish(message)
         _wait_for_acks(group)
         raise group.error()
 

@@ -9,6 +9,9 @@ Logging goes to the ``passes`` logger, registered with torch's logging: ``TORCH_
 prints one summary line per compiled graph, ``TORCH_LOGS="+passes"`` every decision as well.
 """
 
+import warnings
+from typing import Any
+
 import torch._logging
 
 torch._logging._internal.register_log("passes", "passes")
@@ -21,11 +24,11 @@ from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
 from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
+from .bucket_compressed_collectives import bucket_compressed_collectives
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .bucket_quantized_collectives import bucket_quantized_collectives
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
-from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
 from .interface import PassOrderError
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
@@ -40,7 +43,7 @@ from .verify import PassVerificationError
 __all__ = [
     "__version__",
     "fold_collective_scaling",
-    "fuse_collective_casts",
+    "bucket_compressed_collectives",
     "fuse_cat_prologue",
     "bucket_low_rank_factors",
     "bucket_quantized_collectives",
@@ -63,3 +66,18 @@ __all__ = [
     "PassOrderError",
     "testing",
 ]
+
+_RENAMED = {"fuse_collective_casts": "bucket_compressed_collectives"}
+
+
+def __getattr__(name: str) -> Any:
+    """The passes' former names, for one release: each warns and gives the renamed pass."""
+    if name in _RENAMED:
+        warnings.warn(
+            f"passes.{name} is renamed passes.{_RENAMED[name]}; the old name goes in the next "
+            "release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module 'passes' has no attribute {name!r}")

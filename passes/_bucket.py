@@ -38,7 +38,7 @@ def is_compressed(chain: Chain) -> bool:
 
 def compressed_collectives(graph: Graph, pass_name: str) -> set[Node]:
     """The all_reduce / reduce_scatter collectives fed by a narrowing cast: a superset of what
-    ``fuse_collective_casts`` buckets (its candidates must also be free of problems)."""
+    ``bucket_compressed_collectives`` buckets (its candidates must also be free of problems)."""
     return {chain.collective for chain in chains(graph, pass_name) if is_compressed(chain)}
 
 

@@ -32,14 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx import Graph, Node
 
 from compiled_hooks import compat
-from compiled_hooks.fsdp.gather import BLOCK
-from compiled_hooks.ops import (  # noqa: F401 - re-exported to the passes
-    DEQUANTIZE_PACKED,
-    GROUP_RANK,
-    POWERSGD_COUNT,
-    QUANTIZED_ERROR,
-    QUANTIZED_KEEP_ERROR,
-)
+from compiled_hooks.graph_contract import BLOCK
 
 log = logging.getLogger("passes")
 

@@ -14,11 +14,12 @@ from typing import cast
 
 from torch.fx import Graph, Node
 
+from compiled_hooks.graph_contract import GROUP_RANK
+
 from ._graph import (
     ALL_REDUCE,
     BROADCAST,
     CAST_OPS,
-    GROUP_RANK,
     VIEW_OPS,
     WAIT,
     arg,

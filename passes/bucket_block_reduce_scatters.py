@@ -5,7 +5,8 @@ and casts written into the rank-major bucket.
 on its own, and marks each reduce-scatter with its block
 (``node.meta["custom"]["data_parallel_block"]``). This pass merges the reduce-scatter chains of
 one block (same group, reduce op, wire dtype and device), compressed or not, the way
-``fuse_collective_casts`` merges compressed ones (shared :func:`passes._bucket.merge_chains`)::
+``bucket_compressed_collectives`` merges compressed ones (shared
+:func:`passes._bucket.merge_chains`)::
 
     before                                        after
     d1 = div(g1, 2); c1 = convert(d1, bf16)        d1 = div(g1, 2); c1 = convert(d1, bf16)

@@ -39,9 +39,10 @@ import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
+from compiled_hooks.graph_contract import POWERSGD_COUNT
+
 from ._graph import (
     ALL_REDUCE,
-    POWERSGD_COUNT,
     WAIT,
     Chain,
     arg,

@@ -43,10 +43,11 @@ from typing import cast
 import torch
 from torch.fx import Graph, Node
 
+from compiled_hooks.graph_contract import DEQUANTIZE_PACKED
+
 from ._graph import (
     ALL_GATHER,
     ALL_TO_ALL,
-    DEQUANTIZE_PACKED,
     WAIT,
     ancestors,
     aten,

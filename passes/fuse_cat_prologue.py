@@ -20,7 +20,7 @@ starts at a ``cat`` along dim 0 of 1-D tensors that nothing else reads, through 
 scales, floating casts and 1-D views only. Anything else is left alone. Values are bitwise
 the same (the same op on every element). Idempotent: afterwards the collective reads the
 ``cat``, with no chain in between. Run after ``fold_collective_scaling`` (it merges the
-factors first) and after ``fuse_collective_casts`` (it keeps seeing single compressed
+factors first) and after ``bucket_compressed_collectives`` (it keeps seeing single compressed
 collectives as such).
 """
 
@@ -39,7 +39,7 @@ __all__ = ["fuse_cat_prologue"]
 PASS = "fuse_cat_prologue"
 
 
-@graph_pass(after=("fold_collective_scaling", "fuse_collective_casts"))
+@graph_pass(after=("fold_collective_scaling", "bucket_compressed_collectives"))
 def fuse_cat_prologue(graph: Graph) -> bool:
     """Move the scales and casts between a bucket's ``cat`` and its collective into the
     members (see the module docstring). Returns True when the graph changed."""

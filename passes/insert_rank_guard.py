@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from compiled_hooks.ops import CHECK_RANKS as CHECK
+from compiled_hooks.graph_contract import CHECK_RANKS as CHECK
 
 from ._graph import check_graph, is_collective, record, val
 from .interface import graph_pass
@@ -127,7 +127,7 @@ def _existing_checks(graph: Graph) -> list[Node]:
         "fold_collective_scaling",
         "bucket_block_all_gathers",
         "bucket_block_reduce_scatters",
-        "fuse_collective_casts",
+        "bucket_compressed_collectives",
         "bucket_low_rank_factors",
         "fuse_cat_prologue",
         "interleave_zero_broadcasts",

@@ -6,7 +6,7 @@
         '''Cap of one bucket in MiB; None derives it from the graph.'''
 
     @graph_pass(options=Options, after=("fold_collective_scaling",))
-    def fuse_collective_casts(graph, bucket_cap_mb=None) -> bool: ...
+    def bucket_compressed_collectives(graph, bucket_cap_mb=None) -> bool: ...
 
 :func:`graph_pass` returns the function itself with ``fn.interface`` set; it checks at import
 that the options dataclass and the function's keyword parameters have the same names and

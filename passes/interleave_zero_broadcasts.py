@@ -20,7 +20,7 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
   the wire ahead of the broadcasts (this collective order is the same on every rank). Where
   one of the two gradient collectives is compressed (fed by a narrowing cast), the update and
   broadcasts go just *before* the next one instead, the rest just after it: with no broadcast
-  between them, ``fuse_collective_casts`` would merge the two on a second run. The
+  between them, ``bucket_compressed_collectives`` would merge the two on a second run. The
   last bucket's update, with no gradient collective after it, is placed right after its
   gradient's wait::
 
@@ -156,8 +156,8 @@ def _held_updates(
     next gradient collectives issued together (the anchor is the last of them), the updates and
     their broadcasts first. Where the first collective or one of those is compressed, they go
     around the next one instead, the updates and broadcasts before it, the rest after it: with
-    no broadcast between two compressed collectives, ``fuse_collective_casts`` would merge them
-    on a second run of the pipeline."""
+    no broadcast between two compressed collectives, ``bucket_compressed_collectives`` would merge
+    them on a second run of the pipeline."""
     held: dict[Node, tuple[list[Node], list[Node]]] = {}
     end = _issued_together(nodes, position, gradient_collectives)
     index = {c: k for k, c in enumerate(gradient_collectives)}
@@ -187,7 +187,9 @@ def _held_updates(
     return held
 
 
-@graph_pass(after=("fuse_collective_casts", "all_to_all_weight_update", "shard_weight_update"))
+@graph_pass(
+    after=("bucket_compressed_collectives", "all_to_all_weight_update", "shard_weight_update")
+)
 def interleave_zero_broadcasts(graph: Graph) -> bool:
     """Schedule ZeRO updates and broadcasts (the module docstring); True if the order changed."""
     check_graph(PASS, graph)

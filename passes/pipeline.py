@@ -5,7 +5,7 @@ the *post* hook, not the pre one, because there the graph has been through Induc
 post-grad passes: no-op removal has normalized it, and ``ddp_fusion`` has already bucketed the
 uncompressed all_reduces it knows (a plain division feeding the collective). So
 ``fold_collective_scaling`` also folds the division of Inductor's own fp32 buckets, and
-``fuse_collective_casts`` buckets exactly what Inductor left: the compressed collectives.
+``bucket_compressed_collectives`` buckets exactly what Inductor left: the compressed collectives.
 After the hook Inductor still runs its stable topological sort and its fake-tensor update,
 which check the rewritten graph before code generation.
 """
@@ -28,7 +28,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
 from compiled_hooks import compat
-from compiled_hooks.env import env_flag
+from compiled_hooks.graph_contract import CHECK_RANKS_ENV, VERIFY_ENV, env_flag
 from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
 from ._graph import block_of, check_graph, is_collective, ranks_on_one_host
@@ -36,11 +36,11 @@ from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
 from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
+from .bucket_compressed_collectives import bucket_compressed_collectives
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .bucket_quantized_collectives import bucket_quantized_collectives
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
-from .fuse_collective_casts import fuse_collective_casts
 from .insert_rank_guard import insert_rank_guard
 from .interface import check_order, interface_of
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
@@ -139,9 +139,9 @@ def _us(since: float) -> int:
 class Pipeline(compat.CustomGraphPass):
     """Run ``passes`` in order on a graph; ``options`` go to the passes that take them.
 
-    ``Pipeline([fold_collective_scaling, fuse_collective_casts], bucket_cap_mb=10)`` calls
-    ``fuse_collective_casts(graph, bucket_cap_mb=10)``. What a pass takes and what it must run
-    after is its declaration (:mod:`passes.interface`): an option no pass takes is a
+    ``Pipeline([fold_collective_scaling, bucket_compressed_collectives], bucket_cap_mb=10)``
+    calls ``bucket_compressed_collectives(graph, bucket_cap_mb=10)``. What a pass takes and what
+    it must run after is its declaration (:mod:`passes.interface`): an option no pass takes is a
     ``ValueError`` naming it, and an order that runs a pass before one it must run after is a
     :class:`passes.interface.PassOrderError`.
     ``uuid()`` hashes the source of this package, of every pass and the options, so Inductor's
@@ -177,8 +177,8 @@ class Pipeline(compat.CustomGraphPass):
         check_order(self.interfaces)
         self.passes = passes
         self.options = dict(options)
-        self.verify = _flag("verify", verify, "PASSES_VERIFY")
-        self.check_ranks = _flag("check_ranks", check_ranks, "PASSES_CHECK_RANKS")
+        self.verify = _flag("verify", verify, VERIFY_ENV)
+        self.check_ranks = _flag("check_ranks", check_ranks, CHECK_RANKS_ENV)
         if self.check_ranks and not dist.is_initialized():
             raise RuntimeError(
                 "check_ranks=True: torch.distributed is not initialized; call "
@@ -278,9 +278,9 @@ def default_pipeline(
     **options: Any,
 ) -> Pipeline:
     """``all_to_all_weight_update``, ``fold_collective_scaling``, ``bucket_block_all_gathers``,
-    ``bucket_block_reduce_scatters``, ``fuse_collective_casts``, ``bucket_low_rank_factors``,
-    ``bucket_quantized_collectives``, ``fuse_cat_prologue``, ``interleave_zero_broadcasts``,
-    ``schedule_collectives``,
+    ``bucket_block_reduce_scatters``, ``bucket_compressed_collectives``,
+    ``bucket_low_rank_factors``, ``bucket_quantized_collectives``, ``fuse_cat_prologue``,
+    ``interleave_zero_broadcasts``, ``schedule_collectives``,
     ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``,
     ``reduce_scatter_as_all_to_all`` (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``
     (the three gloo rewrites'), ``all_gather_backends``, ``avg_backends``, ``bucket_cap_mb``,
@@ -294,7 +294,7 @@ def default_pipeline(
         fold_collective_scaling,
         bucket_block_all_gathers,
         bucket_block_reduce_scatters,
-        fuse_collective_casts,
+        bucket_compressed_collectives,
         bucket_low_rank_factors,
         bucket_quantized_collectives,
         fuse_cat_prologue,

@@ -98,7 +98,7 @@ class Options:
     after=(
         "schedule_collectives",
         "bucket_block_reduce_scatters",
-        "fuse_collective_casts",
+        "bucket_compressed_collectives",
         "fold_collective_scaling",
         "shard_weight_update",
     ),

@@ -181,7 +181,7 @@ def schedule_problems(graph: Graph) -> list[str]:
 
 @graph_pass(
     after=(
-        "fuse_collective_casts",
+        "bucket_compressed_collectives",
         "bucket_low_rank_factors",
         "bucket_block_all_gathers",
         "bucket_block_reduce_scatters",

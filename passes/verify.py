@@ -27,6 +27,13 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
+from compiled_hooks.graph_contract import (
+    GROUP_RANK,
+    POWERSGD_COUNT,
+    QUANTIZED_ERROR,
+    QUANTIZED_KEEP_ERROR,
+)
+
 from ._graph import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -34,10 +41,6 @@ from ._graph import (
     BROADCAST,
     BROADCAST_,
     COLLECTIVES,
-    GROUP_RANK,
-    POWERSGD_COUNT,
-    QUANTIZED_ERROR,
-    QUANTIZED_KEEP_ERROR,
     REDUCE_SCATTER,
     WAIT,
     ancestors,

@@ -185,7 +185,7 @@ def data_parallel_case(rng: random.Random, ws: int) -> Case:
     the shard's shape through the kind's hook, also under the mark."""
     from torch.fx.traceback import annotate
 
-    from compiled_hooks.fsdp.gather import BLOCK
+    from compiled_hooks.graph_contract import BLOCK
 
     blocks = [[_shape(rng) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 4))]
     kind = rng.choice(list(HOOKS))

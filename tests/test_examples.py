@@ -40,7 +40,7 @@ def test_train_ddp_example_with_verified_passes():
     assert "--- compiled DDP + bf16_compress_hook + passes ---" in proc.stdout
     # the passes rewrote the example's backward and the verifier found nothing wrong
     passes_line = next(line for line in proc.stdout.splitlines() if line.startswith("passes: "))
-    assert "bucketed" in passes_line and "fuse_collective_casts: verified" in passes_line, (
+    assert "bucketed" in passes_line and "bucket_compressed_collectives: verified" in passes_line, (
         passes_line
     )
     assert proc.stdout.count("step ") == 12

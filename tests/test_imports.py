@@ -118,6 +118,32 @@ def test_no_pass_imports_another_pass_or_the_test_helpers():
     assert [m for m in production if "passes.testing" in graph[m] and m != "passes"] == []
 
 
+# What of compiled_hooks a production module of passes may import: the contract (the marks, ops
+# and switches the hooks write and the passes read), the torch-version shims, the rank guard the
+# pipeline raises from, and the package root (the version).
+PASSES_READ = {"compiled_hooks", "compiled_hooks.graph_contract", "compiled_hooks.compat"}
+PASSES_READ_ALSO = {
+    "passes.pipeline": {"compiled_hooks.rank_guard"},
+    "passes": {"compiled_hooks.rank_guard"},
+}
+
+
+def test_passes_read_the_hooks_through_the_contract_module():
+    graph = import_graph()
+    reached = {
+        m: sorted(
+            i
+            for i in imps
+            if i.startswith("compiled_hooks")
+            and i not in PASSES_READ | PASSES_READ_ALSO.get(m, set())
+        )
+        for m, imps in graph.items()
+        if m.startswith("passes") and m != "passes.testing"
+    }
+    assert {m: i for m, i in reached.items() if i} == {}
+    assert any("compiled_hooks.graph_contract" in graph[m] for m in graph if m.startswith("passes"))
+
+
 def test_no_import_cycle():
     assert _cycle(import_graph()) == []
 

@@ -218,7 +218,7 @@ CASES = {
         "got a GraphModule; pass gm.graph",
     ),
     "pass_given_a_string": (
-        lambda g: passes.fuse_collective_casts("graph"),
+        lambda g: passes.bucket_compressed_collectives("graph"),
         TypeError,
         "expected a torch.fx.Graph",
     ),
@@ -234,7 +234,7 @@ CASES = {
     ),
     "pipeline_not_a_pass": (lambda g: passes.Pipeline([42]), TypeError, "a pass must be callable"),
     "bucket_cap_not_positive": (
-        lambda g: passes.fuse_collective_casts(_traced().graph, bucket_cap_mb=-1),
+        lambda g: passes.bucket_compressed_collectives(_traced().graph, bucket_cap_mb=-1),
         ValueError,
         "must be positive",
     ),

@@ -13,6 +13,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ("quickstart", "train_ddp", "train_fsdp", "train_zero")
+SMALL_DEVICE_TEST = "test_data_parallel_one_collective_per_block"  # without --full
 
 
 def run(name: str, cmd: list[str], env: dict[str, str], timeout: int) -> dict:
@@ -87,10 +88,11 @@ def header(device: str) -> str:
     return "\n".join(lines)
 
 
-def example_runs(device: str, steps: int) -> list[tuple[str, list[str]]]:
-    """(label, arguments) for every example: NCCL at world size 1 and gloo with 2 ranks sharing
-    the GPU on CUDA; 2 gloo ranks on CPU. The quick start picks its device itself (CUDA when
-    there is a GPU per rank), so under torchrun with one rank it runs on the GPU."""
+def example_runs(device: str, steps: int, full: bool) -> list[tuple[str, list[str]]]:
+    """(label, arguments) for every example (the quick start alone unless ``full``): NCCL at
+    world size 1 and gloo with 2 ranks sharing the GPU on CUDA; 2 gloo ranks on CPU. The quick
+    start picks its device itself (CUDA when there is a GPU per rank), so under torchrun with one
+    rank it runs on the GPU."""
     py = sys.executable
     if device == "cuda":
         runs = [
@@ -114,7 +116,7 @@ def example_runs(device: str, steps: int) -> list[tuple[str, list[str]]]:
     else:
         runs = [("quickstart gloo-2", [py, "examples/quickstart.py"])]
         layouts = [("gloo-2", ["--backend", "gloo", "--world-size", "2"])]
-    for name in EXAMPLES[1:]:
+    for name in EXAMPLES[1:] if full else ():
         for label, extra in layouts:
             runs.append(
                 (
@@ -130,6 +132,12 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=6, help="training steps per example")
     parser.add_argument(
+        "--full",
+        action=argparse.BooleanOptionalAction,
+        help="every device test and every example (default: on cuda; on cpu, where the test "
+        "suite's slow tier runs them, one device test and the quick start keep the script alive)",
+    )
+    parser.add_argument(
         "--suite",
         choices=["fast", "none"],
         help="the test suite's fast tier as well (default: fast on cuda, none on cpu)",
@@ -140,6 +148,7 @@ def main() -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     suite = args.suite or ("fast" if device == "cuda" else "none")
+    full = device == "cuda" if args.full is None else args.full
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -159,6 +168,7 @@ def main() -> int:
                 "-p",
                 "no:cacheprovider",
                 "tests/test_device.py",
+                *([] if full else ["-k", SMALL_DEVICE_TEST]),
             ],
             env,
             1800,
@@ -173,7 +183,7 @@ def main() -> int:
                 1800,
             )
         )
-    examples = [run(label, cmd, env, 900) for label, cmd in example_runs(device, args.steps)]
+    examples = [run(label, cmd, env, 900) for label, cmd in example_runs(device, args.steps, full)]
 
     print("\n=== gpu_check report\n" + info)
     for r in tests:

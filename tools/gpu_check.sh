@@ -2,7 +2,8 @@
 # Run what this project can run on one device, and print a short report.
 #
 #   tools/gpu_check.sh                  # --device cuda where a GPU is visible, else cpu
-#   tools/gpu_check.sh --device cpu     # what CI runs
+#   tools/gpu_check.sh --device cpu     # what CI runs: one device test and the quick start
+#   tools/gpu_check.sh --device cpu --full   # everything, on CPU
 #
 # On a one-GPU machine it uses the torch already installed there (2.11 on the lent machines)
 # and reads the project from this working tree, no install: it needs only pytest and
@@ -13,6 +14,8 @@
 #   2. on CUDA, the fast tier of the test suite as well (--suite fast|none);
 #   3. every example on the device: NCCL at world size 1 and gloo with 2 ranks sharing the
 #      GPU (CPU: 2 gloo ranks), --steps N each (default 6);
+# on CPU, unless --full, only data_parallel's device test and the quick start (the slow tier of
+# the test suite runs the rest on CPU);
 # then a report: torch, GPU, pass/fail counts, each example's verdict and median step time.
 # Exits non-zero when anything failed.
 set -euo pipefail

@@ -49,15 +49,13 @@ from torch.utils.checkpoint import (
 )
 
 from .. import compat
+from ..graph_contract import BLOCK
 from ..int8_collectives import all_gather_quantized
 from ..quantize import quantize
 from ..state import LowPrecisionState
 
-__all__ = ["Layout", "TensorParallel", "Reduction", "gather", "BLOCK", "INT8_BLOCK_SIZE"]
+__all__ = ["Layout", "TensorParallel", "Reduction", "gather", "INT8_BLOCK_SIZE"]
 
-# The key under which every node of a gather and of its reduction carries its block's name
-# (``node.meta["custom"]``), for the passes that bucket and schedule per block.
-BLOCK = "data_parallel_block"
 # Elements per fp32 scale of an int8 weight gather: 1.6% of the payload in scales.
 INT8_BLOCK_SIZE = 256
 

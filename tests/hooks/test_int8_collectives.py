@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from compiled_hooks.graph_contract import DEQUANTIZE_PACKED
 from compiled_hooks.int8_collectives import (
     ATEN_DEQUANTIZE_MIN_BYTES,
     int8_all_reduce,
     int8_reduce_scatter,
 )
-from passes._graph import ALL_GATHER, ALL_TO_ALL, DEQUANTIZE_PACKED
+from passes._graph import ALL_GATHER, ALL_TO_ALL
 from passes.testing import trace
 from tests.hooks.test_quantize import block_absmax, bound
 from tests.ranks import run_ranks

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from compiled_hooks.compat import all_gather_single, reduce_scatter_single
-from compiled_hooks.fsdp.gather import BLOCK
+from compiled_hooks.graph_contract import BLOCK
 from passes import (
     all_gather_as_all_to_all,
     bucket_block_all_gathers,

@@ -10,10 +10,10 @@ import torch.distributed._functional_collectives as fcol
 
 import compiled_hooks as ch
 from compiled_hooks import int8_collectives
-from compiled_hooks.fsdp.gather import BLOCK
+from compiled_hooks.graph_contract import BLOCK, DEQUANTIZE_PACKED
 from compiled_hooks.quantize import pack, quantize, unpack
 from passes import bucket_quantized_collectives
-from passes._graph import ALL_GATHER, ALL_TO_ALL, DEQUANTIZE_PACKED, WAIT, block_of
+from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT, block_of
 from passes.testing import fake_process_group, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase

@@ -48,7 +48,7 @@ def e2e_worker(rank, world_size):
                 model(x).square().mean().backward()
 
         pipeline = passes.Pipeline(
-            [passes.fold_collective_scaling, passes.fuse_collective_casts, _scales_left]
+            [passes.fold_collective_scaling, passes.bucket_compressed_collectives, _scales_left]
         )
         if use_passes:
             with passes.install(pipeline):

@@ -294,13 +294,13 @@ return convert_element_type_1""",
         self.assertIn("folded_scale: f32[16] = aten.mul(grad_1, 0.125)", graph_str(gm))
 
     def test_graph_without_metadata_is_left_alone(self):
-        from passes import fuse_collective_casts
+        from passes import bucket_compressed_collectives
 
         gm = self.trace_hook("bf16", sharded=False)
         for n in gm.graph.nodes:
             n.meta.pop("val", None)
         self.assertUntouched(gm, fold_collective_scaling, "no fake-tensor metadata")
-        self.assertFalse(fuse_collective_casts(gm.graph))
+        self.assertFalse(bucket_compressed_collectives(gm.graph))
 
     def test_already_avg_is_left_alone(self):
         gm = self.trace_hook("bf16", sharded=False)

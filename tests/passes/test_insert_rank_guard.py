@@ -8,7 +8,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
-from passes import Pipeline, default_pipeline, fuse_collective_casts, insert_rank_guard, install
+from passes import (
+    Pipeline,
+    bucket_compressed_collectives,
+    default_pipeline,
+    insert_rank_guard,
+    install,
+)
 from passes.insert_rank_guard import collective_record
 from passes.testing import fake_process_group, graph_str, trace
 from tests.graphs import ddp_args, ddp_fn
@@ -77,7 +83,7 @@ return add""",
     def test_records_the_order_the_other_passes_left(self):
         fake_process_group(2)
         gm = trace(ddp_fn("bf16"), *ddp_args([(8,), (8,), (8,)]), world_size=2)
-        fuse_collective_casts(gm.graph)  # three all_reduces become one bucket
+        bucket_compressed_collectives(gm.graph)  # three all_reduces become one bucket
         self.assertRewrites(gm, insert_rank_guard)
         (entries,) = _record(gm).values()
         self.assertEqual([e[:3] for e in entries], [["all_reduce", ["sum"], ["bfloat16", [24]]]])
@@ -86,7 +92,7 @@ return add""",
         fake_process_group(2)
         gm = trace(ddp_fn("bf16"), *ddp_args([(8,), (8,)]), world_size=2)
         insert_rank_guard(gm.graph)
-        fuse_collective_casts(gm.graph)  # the graph changed after the check was made
+        bucket_compressed_collectives(gm.graph)  # the graph changed after the check was made
         self.assertRewrites(gm, insert_rank_guard)
         (entries,) = _record(gm).values()
         self.assertEqual(len(entries), 1)
@@ -119,7 +125,7 @@ def test_check_ranks_option(monkeypatch, fake_pg):
     with pytest.raises(TypeError, match="check_ranks must be True, False or None"):
         install(check_ranks="yes")
     with pytest.raises(ValueError, match="pass check_ranks= to the Pipeline you give"):
-        install(Pipeline([fuse_collective_casts]), check_ranks=True)
+        install(Pipeline([bucket_compressed_collectives]), check_ranks=True)
 
 
 def test_check_ranks_needs_an_initialized_group():

@@ -7,7 +7,7 @@ runs it again on the same inputs and compares outputs and the inputs written in 
 import pytest
 import torch
 
-from passes import fold_collective_scaling, fuse_collective_casts
+from passes import bucket_compressed_collectives, fold_collective_scaling
 from passes.testing import trace
 from tests.graphs import ddp_args, ddp_fn, hook_args, hook_fn
 from tests.ranks import run_ranks
@@ -43,7 +43,7 @@ def numerics_worker(rank, world_size):
         # only, so the fold into avg is checked on gloo's real collectives here
         for graph_pass, options in (
             (fold_collective_scaling, {"avg_backends": {"gloo"}}),
-            (fuse_collective_casts, {}),
+            (bucket_compressed_collectives, {}),
         ):
             changes.append(graph_pass(gm.graph, **options))
             gm.recompile()
@@ -64,8 +64,11 @@ def test_rewritten_graphs_compute_the_same_values(world_size):
         and rewrites["hook/fp32/rs/fold_collective_scaling"]
     )
     assert not rewrites["hook/fp16/ar/fold_collective_scaling"]
-    assert rewrites["ddp/bf16/fuse_collective_casts"] and rewrites["ddp/fp16/fuse_collective_casts"]
-    assert not rewrites["ddp/fp32/fuse_collective_casts"]
+    assert (
+        rewrites["ddp/bf16/bucket_compressed_collectives"]
+        and rewrites["ddp/fp16/bucket_compressed_collectives"]
+    )
+    assert not rewrites["ddp/fp32/bucket_compressed_collectives"]
     for rank, results in enumerate(per_rank):
         for key, (before, after, _) in results.items():
             kind = key.split("/")[1]

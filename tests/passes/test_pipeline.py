@@ -12,9 +12,9 @@ import passes
 from compiled_hooks import compat
 from passes import (
     Pipeline,
+    bucket_compressed_collectives,
     default_pipeline,
     fold_collective_scaling,
-    fuse_collective_casts,
     install,
 )
 from passes.pipeline import sink_waits_outside_blocks
@@ -33,9 +33,10 @@ def test_options_reach_the_passes_that_take_them():
 
 def test_a_pipeline_in_a_declared_wrong_order_is_refused_by_name():
     with pytest.raises(
-        passes.PassOrderError, match=r"fuse_cat_prologue must run after fuse_collective_casts"
+        passes.PassOrderError,
+        match=r"fuse_cat_prologue must run after bucket_compressed_collectives",
     ):
-        Pipeline([fold_collective_scaling, passes.fuse_cat_prologue, fuse_collective_casts])
+        Pipeline([fold_collective_scaling, passes.fuse_cat_prologue, bucket_compressed_collectives])
     with pytest.raises(
         passes.PassOrderError, match=r"insert_rank_guard must run after schedule_collectives"
     ):
@@ -53,7 +54,7 @@ def test_every_pass_declares_its_interface():
             interface = fn.interface
             assert interface.name == name and interface_of(fn) is interface
             assert set(interface.after) <= set(passes.__all__), interface.after
-    assert passes.fuse_collective_casts.interface.option_names == {
+    assert passes.bucket_compressed_collectives.interface.option_names == {
         "bucket_cap_mb",
         "first_bucket_cap_mb",
     }
@@ -227,7 +228,7 @@ def test_fx_graph_cache_entries_follow_pipeline_options():
 def test_package_exports():
     assert set(passes.__all__) >= {
         "fold_collective_scaling",
-        "fuse_collective_casts",
+        "bucket_compressed_collectives",
         "Pipeline",
         "default_pipeline",
         "install",
@@ -322,7 +323,9 @@ def test_torch_logs_shows_the_passes_decisions(tmp_path):
     ), log[-3000:]
     summary = [line for line in log.splitlines() if "] passes: " in line]
     assert len(summary) == 1, log[-3000:]
-    assert "fuse_collective_casts: bucketed 2 collectives into one (x1)" in summary[0], summary
+    assert "bucket_compressed_collectives: bucketed 2 collectives into one (x1)" in summary[0], (
+        summary
+    )
 
 
 def test_a_collective_reads_its_bucket_where_the_kernels_write_it_with_padding_on():

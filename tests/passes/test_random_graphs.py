@@ -26,7 +26,9 @@ def _pipelines(rng):
     quantized_cap = opts.pop("quantized_bucket_cap_mb")
     return {
         "fold_collective_scaling": passes.Pipeline([passes.fold_collective_scaling]),
-        "fuse_collective_casts": passes.Pipeline([passes.fuse_collective_casts], **opts),
+        "bucket_compressed_collectives": passes.Pipeline(
+            [passes.bucket_compressed_collectives], **opts
+        ),
         "bucket_quantized_collectives": passes.Pipeline(
             [passes.bucket_quantized_collectives], quantized_bucket_cap_mb=quantized_cap
         ),

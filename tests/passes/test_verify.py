@@ -52,7 +52,7 @@ def test_wrong_pass_in_a_ddp_graph_is_caught():
     gm = trace(ddp_fn("fp16"), *ddp_args([(8,), (3, 3), (5,)]), world_size=4)
     with pytest.raises(PassVerificationError, match="pass drop_a_division"):
         Pipeline(
-            [passes.fold_collective_scaling, passes.fuse_collective_casts, drop_a_division],
+            [passes.fold_collective_scaling, passes.bucket_compressed_collectives, drop_a_division],
             verify=True,
         ).run(gm.graph)
 

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 from passes import (
     all_gather_as_all_to_all,
     all_to_all_weight_update,
-    fuse_collective_casts,
+    bucket_compressed_collectives,
     interleave_zero_broadcasts,
     shard_weight_update,
 )
@@ -113,7 +113,7 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""",
 
     def test_interleaved_compressed_update_stays_before_the_next_gradient_collective(self):
         """bf16 wire: the update goes just before the next gradient collective, so broadcasts
-        stand between the two compressed all_reduces and fuse_collective_casts, on a second run
+        stand between the two compressed all_reduces and bucket_compressed_collectives, on a second run
         of the pipeline, does not merge them (the pipeline stays idempotent)."""
         gm = traced_step(interleaved=True, kind="bf16")
         self.assertRewrites(gm, interleave_zero_broadcasts)
@@ -121,7 +121,7 @@ copy__2: f64[2] = aten.copy_(arg4_1, index_put_1)""",
         reduces = [n for n in nodes if "all_reduce" in str(n.target)]
         first_broadcast = next(n for n in nodes if "broadcast" in str(n.target))
         self.assertLess(nodes.index(first_broadcast), nodes.index(reduces[1]))
-        self.assertFalse(fuse_collective_casts(gm.graph))
+        self.assertFalse(bucket_compressed_collectives(gm.graph))
 
     def test_after_backward_updates_follow_the_last_gradient(self):
         gm = traced_step(interleaved=False)

@@ -1,10 +1,11 @@
-"""fuse_collective_casts: snapshots, negative cases, idempotence (fake process group)."""
+"""bucket_compressed_collectives: snapshots, negative cases, idempotence (fake process group)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_reduce
 
-from passes import fold_collective_scaling, fuse_collective_casts
+from passes import bucket_compressed_collectives, fold_collective_scaling
 from passes.testing import graph_str, trace
 from tests.graphs import ddp_args, ddp_fn, hook_fn
 from tests.passcase import PassTestCase
@@ -47,7 +48,7 @@ copy__1: f32[5] = aten.copy_(arg1_1, convert_element_type_3)
 copy__2: f32[2, 2] = aten.copy_(arg2_1, convert_element_type_5)
 return [convert_element_type_1, convert_element_type_3, convert_element_type_5]""",
         )
-        self.assertRewrites(gm, fuse_collective_casts)
+        self.assertRewrites(gm, bucket_compressed_collectives)
         self.assertExpectedInline(
             graph_str(gm),
             """\
@@ -105,7 +106,7 @@ copy_: f32[4] = aten.copy_(arg0_1, convert_element_type_1)
 copy__1: f32[6] = aten.copy_(arg1_1, convert_element_type_3)
 return [convert_element_type_1, convert_element_type_3]""",
         )
-        self.assertRewrites(gm, fuse_collective_casts)
+        self.assertRewrites(gm, bucket_compressed_collectives)
         self.assertExpectedInline(
             graph_str(gm),
             """\
@@ -135,7 +136,9 @@ return [convert_element_type_1, convert_element_type_3]""",
     def test_bucket_caps_split_buckets(self):
         # 6 gradients of 256 KiB in bf16: a first bucket of 0.5 MiB, then one of up to 1 MiB
         gm = ddp_graph("bf16", [(128, 1024)] * 6)
-        self.assertRewrites(gm, fuse_collective_casts, bucket_cap_mb=1.0, first_bucket_cap_mb=0.5)
+        self.assertRewrites(
+            gm, bucket_compressed_collectives, bucket_cap_mb=1.0, first_bucket_cap_mb=0.5
+        )
         text = graph_str(gm)
         self.assertEqual(text.count("c10d.all_reduce"), 2)
         self.assertIn("bucket_cat: bf16[262144]", text)  # the first two gradients
@@ -147,7 +150,9 @@ return [convert_element_type_1, convert_element_type_3]""",
         # DDP's rule: a gradient larger than the first cap goes out in the first bucket, with
         # what came before it, instead of waiting for the second bucket to fill
         gm = ddp_graph("bf16", [(8,), (1024, 1024), (8,), (1024, 1024)])
-        self.assertRewrites(gm, fuse_collective_casts, bucket_cap_mb=25.0, first_bucket_cap_mb=1.0)
+        self.assertRewrites(
+            gm, bucket_compressed_collectives, bucket_cap_mb=25.0, first_bucket_cap_mb=1.0
+        )
         text = graph_str(gm)
         self.assertEqual(text.count("c10d.all_reduce"), 2)
         self.assertIn("bucket_cat: bf16[1048584]", text)
@@ -188,7 +193,7 @@ copy_: f32[6] = aten.copy_(oa_1, convert_element_type_1)
 copy__1: f32[2, 2] = aten.copy_(ob_1, convert_element_type_3)
 return [convert_element_type_1, convert_element_type_3]""",
         )
-        self.assertRewrites(gm, fuse_collective_casts)
+        self.assertRewrites(gm, bucket_compressed_collectives)
         self.assertExpectedInline(
             graph_str(gm),
             """\
@@ -222,7 +227,7 @@ return [convert_element_type_1, convert_element_type_3]""",
     def test_uncompressed_collectives_are_not_ours(self):
         gm = ddp_graph("fp32", [(4,), (6,)])
         text = graph_str(gm)
-        self.assertFalse(fuse_collective_casts(gm.graph))
+        self.assertFalse(bucket_compressed_collectives(gm.graph))
         self.assertEqual(graph_str(gm), text)
 
     def test_different_groups_and_dtypes_are_not_mixed(self):
@@ -237,7 +242,7 @@ return [convert_element_type_1, convert_element_type_3]""",
 
         gm = trace(fn, torch.randn(4), torch.randn(4), torch.randn(4), world_size=4)
         text = graph_str(gm)
-        self.assertFalse(fuse_collective_casts(gm.graph))
+        self.assertFalse(bucket_compressed_collectives(gm.graph))
         self.assertEqual(graph_str(gm), text)
 
     def test_result_needed_before_last_input(self):
@@ -251,7 +256,9 @@ return [convert_element_type_1, convert_element_type_3]""",
             return s, rb
 
         gm = trace(fn, torch.randn(4), torch.randn(4))
-        self.assertUntouched(gm, fuse_collective_casts, "used before its last input is ready")
+        self.assertUntouched(
+            gm, bucket_compressed_collectives, "used before its last input is ready"
+        )
 
     def test_dependent_collectives_are_not_bucketed(self):
         _ = trace(lambda: None, world_size=2)
@@ -263,7 +270,7 @@ return [convert_element_type_1, convert_element_type_3]""",
 
         gm = trace(fn, torch.randn(4))
         text = graph_str(gm)
-        self.assertFalse(fuse_collective_casts(gm.graph))
+        self.assertFalse(bucket_compressed_collectives(gm.graph))
         self.assertEqual(graph_str(gm), text)
 
     def test_interleaved_groups_bucket_once(self):
@@ -284,17 +291,27 @@ return [convert_element_type_1, convert_element_type_3]""",
             return outs
 
         gm = trace(fn, *[torch.randn(4) for _ in range(6)], world_size=4)
-        self.assertRewrites(gm, fuse_collective_casts)
+        self.assertRewrites(gm, bucket_compressed_collectives)
         self.assertEqual(graph_str(gm).count("c10d.all_reduce"), 4)  # 2 buckets, 2 subgroup singles
 
     def test_first_cap_singleton_is_stable(self):
         # found by the randomized test: a first member larger than the first cap stays alone,
         # and a second run must not treat the next bucket as the first
         gm = ddp_graph("bf16", [(64, 64), (4,), (5,), (6,)])
-        self.assertRewrites(gm, fuse_collective_casts, first_bucket_cap_mb=1e-3)
+        self.assertRewrites(gm, bucket_compressed_collectives, first_bucket_cap_mb=1e-3)
         self.assertEqual(graph_str(gm).count("c10d.all_reduce"), 2)
 
     def test_bad_caps(self):
         gm = ddp_graph("bf16", [(4,)])
         with self.assertRaisesRegex(ValueError, "bucket caps must be positive"):
-            fuse_collective_casts(gm.graph, bucket_cap_mb=0)
+            bucket_compressed_collectives(gm.graph, bucket_cap_mb=0)
+
+
+def test_the_former_name_warns_and_is_the_same_pass():
+    import passes
+
+    with pytest.warns(DeprecationWarning, match="renamed passes.bucket_compressed_collectives"):
+        old = passes.fuse_collective_casts
+    assert old is bucket_compressed_collectives
+    with pytest.raises(AttributeError, match="no attribute 'fuse_nothing'"):
+        passes.fuse_nothing  # noqa: B018

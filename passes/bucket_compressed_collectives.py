@@ -1,4 +1,4 @@
-"""fuse_collective_casts: bucket compressed collectives, casts and scales inside the bucket.
+"""bucket_compressed_collectives: bucket compressed collectives, casts and scales inside the bucket.
 
 Compiled DDP with a compression hook issues one small collective per parameter: Inductor's
 ``ddp_fusion`` only buckets all_reduces fed by a plain division. This pass buckets the
@@ -61,9 +61,9 @@ from ._bucket import is_compressed, merge_chains
 from ._graph import Chain, block_of, chains, check_graph, is_collective, record, val
 from .interface import graph_pass
 
-__all__ = ["fuse_collective_casts", "Options"]
+__all__ = ["bucket_compressed_collectives", "Options"]
 
-PASS = "fuse_collective_casts"
+PASS = "bucket_compressed_collectives"
 
 
 def _key(chain: Chain) -> tuple[Any, ...]:
@@ -164,7 +164,7 @@ def _buckets(
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The options of :func:`fuse_collective_casts`."""
+    """The options of :func:`bucket_compressed_collectives`."""
 
     bucket_cap_mb: float | None = None
     """Cap of one bucket in MiB; None derives it from the graph's compressed bytes."""
@@ -180,7 +180,7 @@ class Options:
         "all_to_all_weight_update",
     ),
 )
-def fuse_collective_casts(
+def bucket_compressed_collectives(
     graph: Graph, bucket_cap_mb: float | None = None, first_bucket_cap_mb: float = 1.0
 ) -> bool:
     """Bucket compressed all_reduce / reduce_scatter chains (see the module docstring).

@@ -1,0 +1,77 @@
+"""The contract between ``compiled_hooks``, which writes the traced graph, and ``passes``, which
+rewrites it: every mark, custom op and switch the passes read is named here, and the passes
+import them from here only.
+
+What the hooks leave in Inductor's post-grad graph, and the passes rely on:
+
+- **A comm hook's chain** around each functional collective (``_c10d_functional``)::
+
+      start -> [scale | cast | view]* -> collective -> wait_tensor -> [scale | cast | view]* -> end
+
+  ``scale`` multiplies or divides by a Python number, ``cast`` converts between floating
+  dtypes, ``view`` reshapes; every node strictly inside the chain has one user
+  (``passes._graph`` matches it; a collective with anything else around it is left alone).
+- **A data_parallel block** (:mod:`compiled_hooks.fsdp.gather`): every traced node of one
+  parameter's gather and of its gradient's reduction carries ``meta["custom"][BLOCK]``, the
+  name of its block (``""`` for the root), forward and backward; with ``hybrid_shard`` the
+  replicas' all-reduce chain after a reduce-scatter carries the same mark.
+- **The int8 path** (:mod:`compiled_hooks.quantized`): the error-feedback residual comes in
+  through :data:`QUANTIZED_ERROR` and goes out through :data:`QUANTIZED_KEEP_ERROR` (a side
+  effect); a packed collective's result (int8 blocks behind their 4-byte scales) is read only
+  by :data:`DEQUANTIZE_PACKED`, which takes any strides, so the passes may bucket it.
+- **PowerSGD** counts each hook call with :data:`POWERSGD_COUNT` (a side effect), whose use
+  marks the all-reduces of its factors.
+- **ZeRO's sharded update** reads this rank's index in a group with :data:`GROUP_RANK`.
+- **The rank guard**: :data:`CHECK_RANKS`, inserted by ``passes.insert_rank_guard``, runs
+  :func:`compiled_hooks.rank_guard.check`.
+
+Switches the passes read from the environment: :data:`VERIFY_ENV` and :data:`CHECK_RANKS_ENV`,
+parsed by :func:`env_flag`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .ops import (
+    CHECK_RANKS,
+    DEQUANTIZE_PACKED,
+    GROUP_RANK,
+    POWERSGD_COUNT,
+    QUANTIZED_ERROR,
+    QUANTIZED_KEEP_ERROR,
+)
+
+__all__ = [
+    "BLOCK",
+    "CHECK_RANKS",
+    "CHECK_RANKS_ENV",
+    "DEQUANTIZE_PACKED",
+    "GROUP_RANK",
+    "POWERSGD_COUNT",
+    "QUANTIZED_ERROR",
+    "QUANTIZED_KEEP_ERROR",
+    "VERIFY_ENV",
+    "env_flag",
+]
+
+BLOCK = "data_parallel_block"  # the key of a data_parallel node's block in meta["custom"]
+
+VERIFY_ENV = "PASSES_VERIFY"  # check every rewrite (passes.verify)
+CHECK_RANKS_ENV = "PASSES_CHECK_RANKS"  # insert the rank guard (passes.insert_rank_guard)
+
+_ON, _OFF = ("1", "true"), ("0", "false", "")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """The on/off environment variable ``name``: ``1``/``true`` on, ``0``/``false``/empty off
+    (any case), ``default`` when unset; anything else is a ``ValueError`` naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r}: expected 1, 0, true or false")

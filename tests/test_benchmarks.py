@@ -1,0 +1,71 @@
+"""Every benchmark script starts: its ``--help`` in the fast tier (in this process), and its
+smallest configuration in the slow tier (a subprocess, as a user runs it: one model, two steps,
+loopback). What a benchmark measures is tested beside it (``test_benchmark_*.py``); this only
+keeps every script runnable. ``benchmarks/fsdp_memory.py``'s rows run in
+``test_benchmark_fsdp_memory.py``; ``achievable.py`` and ``launch.py`` are modules, not scripts."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = sorted(
+    p.stem for p in BENCHMARKS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
+)
+
+# each script's smallest configuration
+SMOKE = {
+    "ddp_sync": ["--models", "mlp-32x256", "--steps", "2"],
+    "fsdp_2d": ["--steps", "2"],
+    "fsdp_memory": None,  # test_benchmark_fsdp_memory.py runs its rows
+    "fsdp_step": ["--models", "mlp-8x1024", "--param-dtypes", "fp32", "--steps", "2"],
+    "gloo_collectives": ["--sizes-mb", "1", "--reps", "2", "--chunk-kib", "256"],
+    "pass_time": ["--calls", "20", "40", "--repeat", "1"],
+    "powersgd": ["--steps", "2", "--ranks", "1"],
+    "quantize_cost": ["--numel", "4096", "--reps", "2", "--device", "cpu"],
+    "rank_guard": ["--steps", "2"],
+    "reducer_hooks": ["--models", "mlp-32x256", "--steps", "2"],
+    "results": None,  # plots another run's JSON: needs matplotlib (the bench extra)
+    "zero_step": ["--steps", "2", "--dim", "64", "--layers", "2"],
+    "zero_update_layouts": ["--numel", "20000", "--members", "4", "--calls", "2"],
+}
+
+
+def test_every_script_has_a_smoke_entry():
+    assert sorted(SMOKE) == SCRIPTS
+
+
+# importing a script imports torch modules the suite had not: their own deprecation notices
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script, monkeypatch):
+    """``--help`` prints the script's usage and exits 0: it imports, and its options parse."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCHMARKS / f"{script}.py"), run_name="__main__")
+    assert done.value.code == 0
+    assert out.getvalue().startswith("usage:"), out.getvalue()[:200]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if SMOKE.get(s) is not None])
+def test_smallest_configuration_runs(script):
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{script}.py"), *SMOKE[script]],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
