@@ -32,9 +32,10 @@ from .fuse_cat_prologue import fuse_cat_prologue
 from .insert_rank_guard import insert_rank_guard
 from .interface import PassOrderError
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
-from .pipeline import Pipeline, default_pipeline, install
+from .pipeline import Pipeline, default_pipeline
 from .prefetch_block_all_gathers import prefetch_block_all_gathers
 from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
+from .registration import Installation, install
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update
@@ -62,6 +63,7 @@ __all__ = [
     "Pipeline",
     "default_pipeline",
     "install",
+    "Installation",
     "PassVerificationError",
     "PassOrderError",
     "testing",

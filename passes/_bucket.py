@@ -17,14 +17,12 @@ from ._graph import (
     aten,
     cast_dtype,
     chains,
-    flat_value,
     is_op,
-    new_node,
     record,
     scale_factor,
-    split_values,
     val,
 )
+from ._values import flat_value, new_node, split_values
 
 
 def is_compressed(chain: Chain) -> bool:

@@ -1,4 +1,4 @@
-"""What the passes share: op sets, chain matching around a collective, group facts, the
+"""What the passes share: op sets, chain matching around a collective, the
 data_parallel block marks, bookkeeping.
 
 A *chain* is what a comm hook puts around one collective in the post-grad graph::
@@ -17,21 +17,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import operator
-import os
-import sys
 import weakref
-from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx import Graph, Node
 
-from compiled_hooks import compat
 from compiled_hooks.graph_contract import BLOCK
 
 log = logging.getLogger("passes")
@@ -53,21 +46,6 @@ DIV_OPS = (aten.div.Tensor, aten.div.Scalar)
 CAST_OPS = (prims.convert_element_type.default, aten._to_copy.default)
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SCALE_OPS = MUL_OPS + DIV_OPS
-
-# Backends where reduce op avg is worth folding into: NCCL averages inside the collective.
-# gloo implements avg too (torch 2.13), but as a sum followed by a division pass over the
-# result in the wire dtype, issued after the wire time, which costs more than the multiplication
-# it saves (docs/benchmarks.md). There the factors become one multiplication before the cast,
-# inside the cast's kernel. "fake" is the test backend (no communication; it stands for NCCL in
-# traced graphs).
-AVG_BACKENDS = frozenset({"nccl", "fake"})
-# The most bytes per destination one all_to_all the gloo rewrites send (all_to_all_weight_update,
-# all_gather_as_all_to_all, reduce_scatter_as_all_to_all) where the ranks span hosts: on a
-# bandwidth-bound link gloo moves one large all_to_all well below the link's rate, and the same
-# bytes in pieces of this size, all in flight, close to it. Where every rank runs on one host the
-# exchange goes through loopback, where one all_to_all moves at memory speed and each piece costs
-# more than it saves: there it goes out whole (docs/benchmarks.md, "Collective costs on gloo").
-ALL_TO_ALL_CHUNK_BYTES = 512 << 10
 
 
 def record(pass_name: str, event: str, node: Node | None = None) -> None:
@@ -278,80 +256,6 @@ def block_of(node: Node) -> str | None:
     return node.meta.get("custom", {}).get(BLOCK)
 
 
-def is_alias(node: Node) -> bool:
-    """``node``'s output shares memory with its first input (a view, a piece of a split, or a
-    collective's wait)."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if target is WAIT or target is operator.getitem:
-        return True
-    schema = getattr(target, "_schema", None)
-    return (
-        schema is not None
-        and bool(schema.returns)
-        and schema.returns[0].alias_info is not None
-        and not schema.returns[0].alias_info.is_write
-    )
-
-
-def aliases(node: Node) -> list[Node]:
-    """``node`` and every node whose output shares its memory (views of it, views of those)."""
-    found, frontier = {node: None}, [node]  # insertion-ordered set
-    while frontier:
-        for user in frontier.pop().users:
-            if is_alias(user) and user not in found:
-                found[user] = None
-                frontier.append(user)
-    return list(found)
-
-
-def returned(node: Node) -> bool:
-    """The graph returns ``node``'s result or a view of it (a forward saving it for backward):
-    it stays alive to the graph's end, wherever the graph computes it."""
-    return any(user.op == "output" for n in aliases(node) for user in n.users)
-
-
-def input_cone(collective: Node) -> list[Node]:
-    """The nodes that feed only ``collective``: pure call_functions all of whose users are
-    ``collective`` or in the cone (a quantization's scales feed both its values and its packed
-    bytes), which can move with it; unordered."""
-    pure = ancestors([collective], lambda n: n.op == "call_function" and not n.is_impure())
-    cone = {collective}
-    for node in reversed(collective.graph.nodes):  # a node's users before the node
-        if node in pure and node.users and all(u in cone for u in node.users):
-            cone.add(node)
-    return list(cone - {collective})
-
-
-def ancestors(starts: list[Node], keep: Callable[[Node], bool] = lambda n: True) -> set[Node]:
-    """``starts`` and every node they depend on through inputs for which ``keep`` holds."""
-    seen, stack = set(starts), list(starts)
-    while stack:
-        for i in stack.pop().all_input_nodes:
-            if keep(i) and i not in seen:
-                seen.add(i)
-                stack.append(i)
-    return seen
-
-
-def dependents(starts: list[Node]) -> set[Node]:
-    """``starts`` and every node that depends on them."""
-    seen, stack = set(starts), list(starts)
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
-def mutates(n: Node) -> bool:
-    """Whether ``n`` calls an op that writes one of its arguments."""
-    schema = getattr(n.target, "_schema", None)
-    return n.op == "call_function" and schema is not None and schema.is_mutable
-
-
 def check_graph(pass_name: str, graph: Any) -> None:
     """A pass takes a ``torch.fx.Graph``; anything else is a usage error."""
     if isinstance(graph, torch.fx.GraphModule):
@@ -379,117 +283,3 @@ def chains(graph: Graph, pass_name: str) -> list[Chain]:
             continue
         out.append(chain)
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupInfo:
-    size: int
-    backend: str
-
-
-def group_info(group_name: Any) -> GroupInfo | None:
-    """Size and backend of the group a collective names; None if it cannot be resolved
-    (a group passed as a graph input, or one this process does not know)."""
-    if not isinstance(group_name, str):
-        return None
-    try:
-        pg = compat.resolve_process_group(group_name)
-        return GroupInfo(pg.size(), str(dist.get_backend(pg)).lower())
-    except Exception:  # noqa: BLE001 - an unknown group is simply not ours to rewrite
-        return None
-
-
-def new_node(
-    graph: Graph,
-    target: Callable,
-    args: tuple,
-    kwargs: dict | None = None,
-    name: str = "",
-    value: Any = None,
-) -> Node:
-    """Create ``target(*args, **kwargs)`` at the graph's insert point with a valid ``meta["val"]``:
-    ``value`` when the caller computed it, else propagated through the inputs' fake mode."""
-    node = graph.create_node("call_function", target, args, kwargs or {}, name=name or None)
-    if value is not None:
-        node.meta["val"] = value
-        return node
-    fake_args = torch.fx.node.map_arg((args, kwargs or {}), val)
-    mode = torch._guards.detect_fake_mode(
-        [v for v in torch.utils._pytree.tree_leaves(fake_args) if isinstance(v, torch.Tensor)]
-    )
-    if mode is None:
-        raise RuntimeError(f"{target}: inputs carry no fake tensor values (meta['val'])")
-    # A pass's new nodes are one of a kind (a bucket's cat of K members, its split into K): the
-    # fake-tensor cache would hash every input and check every output for nothing, which costs
-    # more than the op itself for large buckets.
-    with mode, disable_fake_tensor_cache(mode):
-        node.meta["val"] = target(*fake_args[0], **fake_args[1])
-    return node
-
-
-def reapply(graph: Graph, value: Node, ops: list[Node]) -> Node:
-    """``ops`` (a chain's elementwise scales and casts, and views) applied again, in order, to
-    ``value`` at the graph's insert point; views are skipped, so ``value`` keeps its own shape
-    (the ops act elementwise). Returns the last new node (``value`` if none)."""
-    for op in ops:
-        if not is_op(op, VIEW_OPS):
-            value = new_node(
-                graph, cast(Callable, op.target), (value, *op.args[1:]), dict(op.kwargs)
-            )
-    return value
-
-
-def ranks_on_one_host() -> bool:
-    """Whether torchrun's environment says that every rank of the job runs on this host
-    (``LOCAL_WORLD_SIZE == WORLD_SIZE``); False where either is unset. The same on every rank of
-    a job that torchrun (or a launcher setting its variables) started."""
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    return local is not None and local == world
-
-
-def resolve_chunk_bytes(pass_name: str, chunk_bytes: int | None) -> int:
-    """The most bytes per destination one all_to_all of ``pass_name`` sends: ``chunk_bytes``
-    where given (a positive int, else ``ValueError``); by default ``ALL_TO_ALL_CHUNK_BYTES``,
-    or no limit where :func:`ranks_on_one_host`."""
-    if chunk_bytes is None:
-        return sys.maxsize if ranks_on_one_host() else ALL_TO_ALL_CHUNK_BYTES
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(
-            f"{pass_name}: all_to_all_chunk_bytes must be a positive int or None, "
-            f"got {chunk_bytes!r}"
-        )
-    return chunk_bytes
-
-
-def chunk_bounds(count: int, item_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` ranges that split ``count`` items of ``item_bytes`` each into equal pieces
-    of at most ``chunk_bytes`` (at least one item each; the last piece may be shorter)."""
-    if count <= 0:
-        return [(0, count)]
-    pieces = -(-count // max(1, chunk_bytes // max(1, item_bytes)))
-    size = -(-count // pieces)
-    return [(lo, min(lo + size, count)) for lo in range(0, count, size)]
-
-
-def flat_value(like: FakeTensor, numel: int) -> torch.Tensor:
-    """The fake value of a new contiguous 1-D tensor of ``numel`` elements of ``like``'s dtype and
-    device: what a ``cat`` of 1-D pieces gives, without the fake kernel walking every input."""
-    with like.fake_mode:
-        return torch.empty(numel, dtype=like.dtype, device=like.device)
-
-
-def split_values(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | None:
-    """The fake values of ``split_with_sizes(flat, sizes)`` for a contiguous 1-D fake ``flat``:
-    views of its storage at the pieces' offsets, as the op gives (None for any other ``flat``:
-    let the fake kernel do it). Computed on a plain meta tensor over the same storage and
-    wrapped once each; the fake kernel costs a propagation per piece, linear in a bucket's
-    members with a large constant."""
-    mode = getattr(flat, "fake_mode", None)
-    if mode is None or flat.dim() != 1 or not flat.is_contiguous() or sum(sizes) != flat.numel():
-        return None
-    base = torch.empty((0,), dtype=flat.dtype, device="meta")
-    base.set_(flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
-    return [
-        mode.fake_tensor_converter.from_meta_and_device(mode, piece, flat.device)
-        for piece in torch.split_with_sizes(base, sizes)
-    ]

@@ -24,13 +24,13 @@ from ._graph import (
     WAIT,
     arg,
     aten,
-    group_info,
     is_op,
     is_scale,
     match_chain,
     record,
     val,
 )
+from ._groups import group_info
 
 __all__ = ["own_slice", "owner_broadcasts", "weight_update_matches"]
 

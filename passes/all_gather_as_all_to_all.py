@@ -26,7 +26,7 @@ copy of ``N * x`` per collective. An input of more than ``all_to_all_chunk_bytes
 several all_to_alls of at most that many bytes per destination, all issued where the all_gather
 was and all waited for where its wait was (gloo moves one large all_to_all well below a
 bandwidth-bound link's rate, pieces close to it; by default ``ALL_TO_ALL_CHUNK_BYTES`` where the
-ranks span hosts, one all_to_all where they share one: ``_graph.resolve_chunk_bytes``);
+ranks span hosts, one all_to_all where they share one: ``_groups.resolve_chunk_bytes``);
 the pieces' rank-major outputs are joined back into the all_gather's::
 
     ag = all_gather_into_tensor(x, N, G)
@@ -48,20 +48,9 @@ from typing import cast
 
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_GATHER,
-    ALL_TO_ALL,
-    WAIT,
-    aten,
-    check_graph,
-    chunk_bounds,
-    group_info,
-    is_op,
-    new_node,
-    record,
-    resolve_chunk_bytes,
-    val,
-)
+from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, check_graph, is_op, record, val
+from ._groups import chunk_bounds, group_info, resolve_chunk_bytes
+from ._values import new_node
 from .interface import graph_pass
 
 __all__ = ["all_gather_as_all_to_all", "Options"]
@@ -106,7 +95,7 @@ class Options:
     all_to_all_chunk_bytes: int | None = None
     """The most bytes per destination one all_to_all sends; a larger exchange goes out in
     pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
-    span hosts, no limit where they share one (``_graph.resolve_chunk_bytes``)."""
+    span hosts, no limit where they share one (``_groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(

@@ -11,7 +11,7 @@ locally; and it issues both exchanges in chunks of at most ``all_to_all_chunk_by
 destination, which gloo moves at the link's rate where one large message does not. Every
 piece is one more collective to issue, which costs where the wire is free: by default the
 pieces are ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks span hosts and the exchange goes out whole
-where they share one, as in the other gloo rewrites (``_graph.resolve_chunk_bytes``,
+where they share one, as in the other gloo rewrites (``_groups.resolve_chunk_bytes``,
 docs/benchmarks.md). Two independent rewrites, each exact on its own:
 
 1. *own row of an all_reduce* (sum or avg; matched as ``shard_weight_update`` matches it)::
@@ -71,15 +71,12 @@ from ._graph import (
     arg,
     aten,
     check_graph,
-    chunk_bounds,
-    flat_value,
     is_op,
-    new_node,
-    reapply,
     record,
-    resolve_chunk_bytes,
     val,
 )
+from ._groups import chunk_bounds, resolve_chunk_bytes
+from ._values import flat_value, new_node, reapply
 from ._weight_update import weight_update_matches
 from .interface import graph_pass
 
@@ -275,7 +272,7 @@ class Options:
     all_to_all_chunk_bytes: int | None = None
     """The most bytes per destination one all_to_all sends; a larger exchange goes out in
     pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
-    span hosts, no limit where they share one (``_graph.resolve_chunk_bytes``)."""
+    span hosts, no limit where they share one (``_groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(options=Options, after=("shard_weight_update",))

@@ -46,12 +46,12 @@ from ._graph import (
     aten,
     block_of,
     check_graph,
-    input_cone,
     is_op,
-    new_node,
     record,
     val,
 )
+from ._traversal import input_cone
+from ._values import new_node
 from .interface import graph_pass
 
 __all__ = ["bucket_block_all_gathers"]

@@ -41,21 +41,8 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import POWERSGD_COUNT
 
-from ._graph import (
-    ALL_REDUCE,
-    WAIT,
-    Chain,
-    arg,
-    aten,
-    check_graph,
-    flat_value,
-    is_op,
-    match_chain,
-    new_node,
-    record,
-    split_values,
-    val,
-)
+from ._graph import ALL_REDUCE, WAIT, Chain, arg, aten, check_graph, is_op, match_chain, record, val
+from ._values import flat_value, new_node, split_values
 from .interface import graph_pass
 
 __all__ = ["bucket_low_rank_factors", "Options"]

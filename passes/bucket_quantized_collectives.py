@@ -45,21 +45,9 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import DEQUANTIZE_PACKED
 
-from ._graph import (
-    ALL_GATHER,
-    ALL_TO_ALL,
-    WAIT,
-    ancestors,
-    aten,
-    block_of,
-    check_graph,
-    dependents,
-    is_op,
-    mutates,
-    new_node,
-    record,
-    val,
-)
+from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, block_of, check_graph, is_op, record, val
+from ._traversal import ancestors, dependents, mutates
+from ._values import new_node
 from .interface import graph_pass
 
 __all__ = ["bucket_quantized_collectives"]

@@ -26,7 +26,7 @@ factors may belong to the other group), a group that cannot be resolved or whose
 disagrees, a single factor unless it is 1/N on an ``avg_backends`` group (nothing to merge:
 on gloo a hook's single pre-division already sits in the cast's kernel).
 ``avg`` is used only on ``avg_backends`` (those that average inside the collective, not gloo:
-see ``passes._graph.AVG_BACKENDS``) and never at world size 1 (NCCL's avg is wrong there; at
+see ``passes._groups.AVG_BACKENDS``) and never at world size 1 (NCCL's avg is wrong there; at
 N == 1 the product is 1 and the factors simply go). Idempotent: a folded chain has reduce op
 avg, or a single factor.
 
@@ -45,20 +45,9 @@ from fractions import Fraction
 import torch
 from torch.fx import Graph
 
-from ._graph import (
-    AVG_BACKENDS,
-    COLLECTIVES,
-    REDUCE_SCATTER,
-    WAIT,
-    Chain,
-    GroupInfo,
-    aten,
-    chains,
-    group_info,
-    is_op,
-    new_node,
-    record,
-)
+from ._graph import COLLECTIVES, REDUCE_SCATTER, WAIT, Chain, aten, chains, is_op, record
+from ._groups import AVG_BACKENDS, GroupInfo, group_info
+from ._values import new_node
 from .interface import graph_pass
 
 __all__ = ["fold_collective_scaling", "Options"]

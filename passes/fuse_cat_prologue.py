@@ -31,7 +31,8 @@ from typing import cast
 from torch.fx import Graph
 
 from ._bucket import cat_prologue_problem
-from ._graph import VIEW_OPS, arg, aten, chains, flat_value, is_op, new_node, reapply, record, val
+from ._graph import VIEW_OPS, arg, aten, chains, is_op, record, val
+from ._values import flat_value, new_node, reapply
 from .interface import graph_pass
 
 __all__ = ["fuse_cat_prologue"]

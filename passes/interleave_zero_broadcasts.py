@@ -64,14 +64,13 @@ from ._graph import (
     BROADCAST,
     COLLECTIVES,
     WAIT,
-    ancestors,
     check_graph,
     is_collective,
     is_op,
     is_quantized,
-    mutates,
     record,
 )
+from ._traversal import ancestors, mutates
 from .interface import graph_pass
 
 __all__ = ["interleave_zero_broadcasts"]

@@ -1,22 +1,20 @@
-"""Pipeline: the passes as one Inductor custom graph pass, and install() to register it.
+"""Pipeline: the passes as one Inductor custom graph pass, run in order over a graph.
 
-``install`` registers the pipeline as ``torch._inductor.config.post_grad_custom_post_pass``,
-the *post* hook, not the pre one, because there the graph has been through Inductor's own
-post-grad passes: no-op removal has normalized it, and ``ddp_fusion`` has already bucketed the
-uncompressed all_reduces it knows (a plain division feeding the collective). So
-``fold_collective_scaling`` also folds the division of Inductor's own fp32 buckets, and
-``bucket_compressed_collectives`` buckets exactly what Inductor left: the compressed collectives.
-After the hook Inductor still runs its stable topological sort and its fake-tensor update,
-which check the rewritten graph before code generation.
+``passes.install`` (:mod:`passes.registration`) registers the pipeline as
+``torch._inductor.config.post_grad_custom_post_pass``, the *post* hook, not the pre one,
+because there the graph has been through Inductor's own post-grad passes: no-op removal has
+normalized it, and ``ddp_fusion`` has already bucketed the uncompressed all_reduces it knows (a
+plain division feeding the collective). So ``fold_collective_scaling`` also folds the division
+of Inductor's own fp32 buckets, and ``bucket_compressed_collectives`` buckets exactly what
+Inductor left: the compressed collectives. After the hook Inductor still runs its stable
+topological sort and its fake-tensor update, which check the rewritten graph before code
+generation.
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
-import inspect
 import logging
-import pathlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,9 +27,8 @@ from torch.fx import Graph
 
 from compiled_hooks import compat
 from compiled_hooks.graph_contract import CHECK_RANKS_ENV, VERIFY_ENV, env_flag
-from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
-from ._graph import block_of, check_graph, is_collective, ranks_on_one_host
+from ._graph import check_graph, is_collective
 from .all_gather_as_all_to_all import all_gather_as_all_to_all
 from .all_to_all_weight_update import all_to_all_weight_update
 from .bucket_block_all_gathers import bucket_block_all_gathers
@@ -39,6 +36,7 @@ from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
 from .bucket_compressed_collectives import bucket_compressed_collectives
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .bucket_quantized_collectives import bucket_quantized_collectives
+from .cache_key import cache_key
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
 from .insert_rank_guard import insert_rank_guard
@@ -51,38 +49,11 @@ from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
 from .verify import check_rewrite, copy_graph
 
-__all__ = ["Pipeline", "default_pipeline", "install", "KEEP_SCHEDULE", "sink_waits_outside_blocks"]
+__all__ = ["Pipeline", "default_pipeline"]
 
 log = logging.getLogger("passes")
 
 GraphPass = Callable[..., bool]
-
-
-def sink_waits_outside_blocks(snodes: list[Any]) -> list[Any]:
-    """The Inductor scheduling pass ``install()`` runs: Inductor's ``sink_waits`` (every wait
-    after every node ready without it, so independent compute runs while collectives are in
-    flight), except in a graph that computes ``data_parallel`` blocks, whose order it keeps:
-    there ``sink_waits`` would issue every block's all-gather at the start, whatever the
-    prefetch depth."""
-    from torch._inductor import comms
-
-    for snode in snodes:
-        for inner in snode.get_nodes():
-            if inner.node is not None and any(
-                block_of(origin) is not None for origin in inner.node.origins
-            ):
-                return snodes
-    return comms.sink_waits(snodes)
-
-
-# The Inductor options install() sets (and restores): its communication scheduling with the pass
-# above, and its peak-memory ordering off.
-KEEP_SCHEDULE = {
-    "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": [sink_waits_outside_blocks],
-    "reorder_for_peak_memory": False,
-}
-_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
 def _flag(name: str, value: Any, env: str) -> bool:
@@ -244,23 +215,7 @@ class Pipeline(compat.CustomGraphPass):
     def uuid(self) -> str | None:
         if self.verify:
             return None  # never cached: a cache hit would skip the verification
-        h = hashlib.sha256()
-        for path in sorted(_PACKAGE_DIR.glob("*.py")):
-            h.update(path.read_bytes())
-        for p in self.passes:
-            h.update(
-                f"{getattr(p, '__module__', '')}.{getattr(p, '__qualname__', repr(p))}".encode()
-            )
-            try:
-                h.update(inspect.getsource(p).encode())
-            except (OSError, TypeError):
-                h.update(repr(p).encode())
-        h.update(repr(sorted(self.options.items())).encode())
-        h.update(f"check_ranks={self.check_ranks}".encode())
-        # the default all_to_all piece size follows the job's hosts (resolve_chunk_bytes)
-        h.update(f"ranks_on_one_host={ranks_on_one_host()}".encode())
-        h.update(torch.__version__.encode())
-        return h.hexdigest()
+        return cache_key(self.passes, self.options, self.check_ranks)
 
     def __repr__(self) -> str:
         names = ", ".join(getattr(p, "__name__", repr(p)) for p in self.passes)
@@ -308,103 +263,3 @@ def default_pipeline(
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)
-
-
-class install:
-    """Register ``pipeline`` (default: :func:`default_pipeline`) with Inductor.
-
-    As a context manager it is taken out again on exit::
-
-        with passes.install():
-            torch.compile(step)(...)
-
-    As a plain call it stays installed for the process (``.restore()`` undoes it).
-    ``install(options={"bucket_cap_mb": 10})`` installs the default pipeline with those options
-    (an option no pass takes is refused by name, before any compile);
-    ``install(verify=True)`` installs the default pipeline with differential verification;
-    ``install(check_ranks=True)`` with the rank-divergence guard (:mod:`compiled_hooks.rank_guard`).
-
-    Custom post-grad passes already set in ``torch._inductor.config.post_grad_custom_post_pass``
-    stay: the pipeline runs after them (the setting holds both, see
-    :func:`compiled_hooks.compat.post_pass_setting`), and on exit only the
-    pipeline is taken out, so the setting is what it was. A pipeline already installed (an outer
-    ``install``) is replaced for the duration, not run twice. A custom pass that is not a
-    ``CustomGraphPass`` with a ``uuid()`` makes Inductor bypass its FX graph cache, as always.
-
-    While installed, Inductor's scheduler keeps the communication schedule the passes made
-    (:mod:`passes.schedule_collectives`): unless the process set
-    ``reorder_for_compute_comm_overlap`` itself, ``install`` sets these Inductor options and
-    restores them on exit (``KEEP_SCHEDULE``):
-
-    * ``reorder_for_compute_comm_overlap = True`` with
-      ``reorder_for_compute_comm_overlap_passes = [sink_waits_outside_blocks]``: Inductor's
-      ``sink_waits``, but not in a ``data_parallel`` graph (see the function);
-    * ``reorder_for_peak_memory = False``: that ordering moves every wait right after its
-      collective, and in a ZeRO backward every collective after the whole backward compute.
-
-    ``sink_waits`` also holds an interleaved ZeRO step's broadcasts, and every collective after
-    them, to the end of the backward (Inductor issues collectives in the graph's order).
-    Inductor's ``raise_comms`` is not used: it issues collectives ahead of nodes they do not
-    depend on, the rank guard's check among them.
-
-    With the guard, the context manager also re-raises the error of a rank that was blocked in a
-    collective when another rank found the divergence (the backend's "connection closed" or
-    timeout) as that ``RankDivergenceError``.
-    """
-
-    def __init__(
-        self,
-        pipeline: Pipeline | None = None,
-        verify: bool | None = None,
-        check_ranks: bool | None = None,
-        options: dict[str, Any] | None = None,
-    ):
-        if pipeline is None:
-            pipeline = default_pipeline(verify=verify, check_ranks=check_ranks, **(options or {}))
-        elif verify is not None or check_ranks is not None or options is not None:
-            given = (
-                "verify="
-                if verify is not None
-                else "check_ranks="
-                if check_ranks is not None
-                else "options="
-            )
-            raise ValueError(f"install: pass {given} to the Pipeline you give, or give no pipeline")
-        if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"install: expected a passes.Pipeline, got {type(pipeline).__name__}")
-        self.pipeline = pipeline
-        self.previous = compat.custom_post_pass()
-        others = [p for p in compat.post_passes(self.previous) if not isinstance(p, Pipeline)]
-        self.installed = compat.post_pass_setting([*others, pipeline])
-        compat.set_custom_post_pass(self.installed)
-        self.scheduling = None
-        if not compat.inductor_config.reorder_for_compute_comm_overlap:
-            self.scheduling = compat.inductor_config.patch(KEEP_SCHEDULE)
-            self.scheduling.__enter__()
-
-    def restore(self) -> None:
-        current = compat.custom_post_pass()
-        if current is self.installed:
-            compat.set_custom_post_pass(self.previous)
-        else:  # changed while installed: take out only this pipeline
-            rest = [p for p in compat.post_passes(current) if p is not self.pipeline]
-            compat.set_custom_post_pass(compat.post_pass_setting(rest))
-        if self.scheduling is not None:
-            self.scheduling.__exit__(None, None, None)
-            self.scheduling = None
-
-    def __enter__(self) -> Pipeline:
-        return self.pipeline
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.restore()
-        if (
-            self.pipeline.check_ranks
-            and isinstance(exc, RuntimeError)
-            and not isinstance(exc, RankDivergenceError)
-        ):
-            # The rank that found the divergence waits until every rank's watchdog has read the
-            # verdict before it raises (and exits, which is what releases a blocked gloo rank).
-            error = unraised_verdict()
-            if error is not None:
-                raise error from exc

@@ -48,17 +48,8 @@ import dataclasses
 
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_GATHER,
-    WAIT,
-    block_of,
-    check_graph,
-    input_cone,
-    is_alias,
-    is_op,
-    record,
-    returned,
-)
+from ._graph import ALL_GATHER, WAIT, block_of, check_graph, is_op, record
+from ._traversal import input_cone, is_alias, returned
 from .interface import graph_pass
 
 __all__ = ["prefetch_block_all_gathers", "Options"]

@@ -40,21 +40,9 @@ from collections.abc import Collection
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_TO_ALL,
-    REDUCE_SCATTER,
-    WAIT,
-    aten,
-    check_graph,
-    chunk_bounds,
-    group_info,
-    is_op,
-    new_node,
-    prims,
-    record,
-    resolve_chunk_bytes,
-    val,
-)
+from ._graph import ALL_TO_ALL, REDUCE_SCATTER, WAIT, aten, check_graph, is_op, prims, record, val
+from ._groups import chunk_bounds, group_info, resolve_chunk_bytes
+from ._values import new_node
 from .interface import graph_pass
 
 __all__ = ["reduce_scatter_as_all_to_all", "Options"]
@@ -90,7 +78,7 @@ class Options:
     all_to_all_chunk_bytes: int | None = None
     """The most bytes per destination one all_to_all sends; a larger exchange goes out in
     pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
-    span hosts, no limit where they share one (``_graph.resolve_chunk_bytes``)."""
+    span hosts, no limit where they share one (``_groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(

@@ -40,17 +40,8 @@ from collections.abc import Collection
 
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_GATHER,
-    REDUCE_SCATTER,
-    WAIT,
-    aten,
-    check_graph,
-    new_node,
-    reapply,
-    record,
-    val,
-)
+from ._graph import ALL_GATHER, REDUCE_SCATTER, WAIT, aten, check_graph, record, val
+from ._values import new_node, reapply
 from ._weight_update import weight_update_matches
 from .interface import graph_pass
 

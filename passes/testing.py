@@ -34,7 +34,7 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ._graph import aliases, is_alias
+from ._traversal import aliases, is_alias
 from .graph_text import graph_diff, graph_str
 
 __all__ = [

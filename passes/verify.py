@@ -43,10 +43,10 @@ from ._graph import (
     COLLECTIVES,
     REDUCE_SCATTER,
     WAIT,
-    ancestors,
-    group_info,
     record,
 )
+from ._groups import group_info
+from ._traversal import ancestors
 from .graph_text import graph_str
 
 __all__ = ["PassVerificationError", "check_rewrite", "simulate", "random_inputs", "copy_graph"]

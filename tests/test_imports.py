@@ -120,10 +120,10 @@ def test_no_pass_imports_another_pass_or_the_test_helpers():
 
 # What of compiled_hooks a production module of passes may import: the contract (the marks, ops
 # and switches the hooks write and the passes read), the torch-version shims, the rank guard the
-# pipeline raises from, and the package root (the version).
+# installation raises from, and the package root (the version).
 PASSES_READ = {"compiled_hooks", "compiled_hooks.graph_contract", "compiled_hooks.compat"}
 PASSES_READ_ALSO = {
-    "passes.pipeline": {"compiled_hooks.rank_guard"},
+    "passes.registration": {"compiled_hooks.rank_guard"},
     "passes": {"compiled_hooks.rank_guard"},
 }
 

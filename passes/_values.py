@@ -1,0 +1,77 @@
+"""New nodes with valid fake values (``meta["val"]``), cheaply where a pass makes many: a
+bucket's flat ``cat`` and its split back into pieces."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
+from torch.fx import Graph, Node
+
+from ._graph import VIEW_OPS, is_op, val
+
+
+def new_node(
+    graph: Graph,
+    target: Callable,
+    args: tuple,
+    kwargs: dict | None = None,
+    name: str = "",
+    value: Any = None,
+) -> Node:
+    """Create ``target(*args, **kwargs)`` at the graph's insert point with a valid ``meta["val"]``:
+    ``value`` when the caller computed it, else propagated through the inputs' fake mode."""
+    node = graph.create_node("call_function", target, args, kwargs or {}, name=name or None)
+    if value is not None:
+        node.meta["val"] = value
+        return node
+    fake_args = torch.fx.node.map_arg((args, kwargs or {}), val)
+    mode = torch._guards.detect_fake_mode(
+        [v for v in torch.utils._pytree.tree_leaves(fake_args) if isinstance(v, torch.Tensor)]
+    )
+    if mode is None:
+        raise RuntimeError(f"{target}: inputs carry no fake tensor values (meta['val'])")
+    # A pass's new nodes are one of a kind (a bucket's cat of K members, its split into K): the
+    # fake-tensor cache would hash every input and check every output for nothing, which costs
+    # more than the op itself for large buckets.
+    with mode, disable_fake_tensor_cache(mode):
+        node.meta["val"] = target(*fake_args[0], **fake_args[1])
+    return node
+
+
+def reapply(graph: Graph, value: Node, ops: list[Node]) -> Node:
+    """``ops`` (a chain's elementwise scales and casts, and views) applied again, in order, to
+    ``value`` at the graph's insert point; views are skipped, so ``value`` keeps its own shape
+    (the ops act elementwise). Returns the last new node (``value`` if none)."""
+    for op in ops:
+        if not is_op(op, VIEW_OPS):
+            value = new_node(
+                graph, cast(Callable, op.target), (value, *op.args[1:]), dict(op.kwargs)
+            )
+    return value
+
+
+def flat_value(like: FakeTensor, numel: int) -> torch.Tensor:
+    """The fake value of a new contiguous 1-D tensor of ``numel`` elements of ``like``'s dtype and
+    device: what a ``cat`` of 1-D pieces gives, without the fake kernel walking every input."""
+    with like.fake_mode:
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+
+
+def split_values(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | None:
+    """The fake values of ``split_with_sizes(flat, sizes)`` for a contiguous 1-D fake ``flat``:
+    views of its storage at the pieces' offsets, as the op gives (None for any other ``flat``:
+    let the fake kernel do it). Computed on a plain meta tensor over the same storage and
+    wrapped once each; the fake kernel costs a propagation per piece, linear in a bucket's
+    members with a large constant."""
+    mode = getattr(flat, "fake_mode", None)
+    if mode is None or flat.dim() != 1 or not flat.is_contiguous() or sum(sizes) != flat.numel():
+        return None
+    base = torch.empty((0,), dtype=flat.dtype, device="meta")
+    base.set_(flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
+    return [
+        mode.fake_tensor_converter.from_meta_and_device(mode, piece, flat.device)
+        for piece in torch.split_with_sizes(base, sizes)
+    ]
