@@ -31,15 +31,13 @@ rank guard's protocol), the op calls into it.
 from __future__ import annotations
 
 import itertools
-import sys
 import weakref
 from typing import Any
 
 import torch
 
 from . import compat, rank_guard
-from .quantize import dequantize_packed as _dequantize_packed
-from .quantize import from_blocks
+from .quantize import dequantize_packed_eager, from_blocks, packed_blocks
 
 __all__ = [
     "group_rank",
@@ -145,22 +143,15 @@ def _(
 def dequantize_packed(packed: torch.Tensor, block_size: int) -> torch.Tensor:
     """fp32 ``[rows, blocks, block_size]``: the values of the packed int8 rows ``packed``, each
     times its block's scale; ``packed`` in any strides."""
-    if sys.byteorder != "little":
-        return _dequantize_packed(packed, block_size)
-    rows, width = packed.shape
-    blocks = width // (block_size + 4)
-    # a scale's bytes are its bits, least significant first: on this host, an int32 view of a
-    # copy (a view of ``packed`` itself needs an offset and strides divisible by 4)
-    head = packed.new_empty((rows, 4 * blocks)).copy_(packed[:, : 4 * blocks])
-    scales = head.view(torch.int32).view(torch.float32)
-    values = packed[:, 4 * blocks :].reshape(rows, blocks, block_size).float()
-    return values.mul_(scales.unsqueeze(2))
+    return dequantize_packed_eager(packed, block_size)
 
 
 @dequantize_packed.register_fake
 def _(packed: torch.Tensor, block_size: int) -> torch.Tensor:
     rows, width = packed.shape
-    return packed.new_empty((rows, width // (block_size + 4), block_size), dtype=torch.float32)
+    return packed.new_empty(
+        (rows, packed_blocks(width, block_size), block_size), dtype=torch.float32
+    )
 
 
 @torch.library.custom_op("compiled_hooks::check_ranks", mutates_args=())

@@ -29,6 +29,7 @@ dequantizes to zeros. All functions are pure and traceable (no data-dependent co
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -46,9 +47,15 @@ __all__ = [
     "pack_by_pads",
     "unpack",
     "dequantize_packed",
+    "dequantize_packed_eager",
+    "packed_blocks",
+    "BLOCK_SIZE",
+    "SCALE_BYTES",
 ]
 
 QMAX = 127  # symmetric: -128 is never produced, so negation is exact
+BLOCK_SIZE = 256  # the default elements per scale: 1.6% of a packed row is scales
+SCALE_BYTES = 4  # an fp32 scale's bytes, ahead of the values in a packed row
 
 
 def check_block_size(owner: str, block_size: object) -> int:
@@ -96,8 +103,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
 
 def pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """One int8 row per row of :func:`quantize`'s ``(q, scales)``:
-    ``[rows, 4 * blocks + blocks * block_size]``, each scale's 4 bytes (least significant
-    first) then the values."""
+    ``[rows, SCALE_BYTES * blocks + blocks * block_size]``, each scale's bytes (least
+    significant first) then the values."""
     # On CPU Inductor copies a cat of int8 tensors with aten.cat: a copy of what its vectorized
     # kernels wrote, cheaper than its scalar loop over the pads and add. Elsewhere it computes
     # the pads and add inside the quantize's kernel.
@@ -122,9 +129,15 @@ def unpack(packed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.T
     """:func:`pack`'s ``(q, scales)`` back: int8 ``[rows, blocks, block_size]`` and fp32
     ``[rows, blocks]``."""
     rows, width = packed.shape
-    blocks = width // (block_size + 4)
-    scales = _scales_of(packed[:, : 4 * blocks].reshape(rows, blocks, 4))
-    return packed[:, 4 * blocks :].reshape(rows, blocks, block_size), scales
+    blocks = packed_blocks(width, block_size)
+    head = SCALE_BYTES * blocks
+    scales = _scales_of(packed[:, :head].reshape(rows, blocks, SCALE_BYTES))
+    return packed[:, head:].reshape(rows, blocks, block_size), scales
+
+
+def packed_blocks(width: int, block_size: int) -> int:
+    """The blocks in a packed row of ``width`` bytes."""
+    return width // (block_size + SCALE_BYTES)
 
 
 # A scale's bytes by arithmetic on its bits, not by a view to a narrower dtype: Inductor lowers
@@ -155,3 +168,17 @@ def dequantize_packed(packed: torch.Tensor, block_size: int) -> torch.Tensor:
     scale, padding included (:func:`from_blocks` cuts it)."""
     q, scales = unpack(packed, block_size)
     return q.float() * scales.unsqueeze(2)
+
+
+def dequantize_packed_eager(packed: torch.Tensor, block_size: int) -> torch.Tensor:
+    """:func:`dequantize_packed`, outside a trace: on a little-endian host a scale's bytes are
+    its bits, so the scales are an fp32 view of a copy of the rows' heads (a view of ``packed``
+    itself would need an offset and strides divisible by 4)."""
+    if sys.byteorder != "little":
+        return dequantize_packed(packed, block_size)
+    rows, width = packed.shape
+    blocks = packed_blocks(width, block_size)
+    head = SCALE_BYTES * blocks
+    scales = packed.new_empty((rows, head)).copy_(packed[:, :head]).view(torch.float32)
+    values = packed[:, head:].reshape(rows, blocks, block_size).float()
+    return values.mul_(scales.unsqueeze(2))

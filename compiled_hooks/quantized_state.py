@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import ops
 from .in_order import InOrder
-from .quantize import check_block_size
+from .quantize import BLOCK_SIZE, check_block_size
 from .state import DefaultState
 
 __all__ = ["QuantizedState", "WORKER", "SHARD"]
@@ -68,7 +68,7 @@ class QuantizedState(DefaultState):
         process_group: dist.ProcessGroup,
         *,
         bits: int = 8,
-        block_size: int = 256,
+        block_size: int = BLOCK_SIZE,
         error_feedback: bool = True,
     ):
         super().__init__(process_group)

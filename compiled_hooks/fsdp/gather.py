@@ -51,13 +51,13 @@ from torch.utils.checkpoint import (
 from .. import compat
 from ..graph_contract import BLOCK
 from ..int8_collectives import all_gather_quantized
-from ..quantize import quantize
+from ..quantize import BLOCK_SIZE, quantize
 from ..state import LowPrecisionState
 
 __all__ = ["Layout", "TensorParallel", "Reduction", "gather", "INT8_BLOCK_SIZE"]
 
-# Elements per fp32 scale of an int8 weight gather: 1.6% of the payload in scales.
-INT8_BLOCK_SIZE = 256
+# Elements per fp32 scale of an int8 weight gather.
+INT8_BLOCK_SIZE = BLOCK_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
