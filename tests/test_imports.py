@@ -7,11 +7,14 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("compiled_hooks", "passes")
-# Modules of passes that are not a pass: the pipeline, shared helpers (a leading underscore), the
-# pass declarations, the verifier, graph text and the test helpers.
+# Modules of passes that are not a pass: the pipeline, its registration and cache key, shared
+# helpers (a leading underscore), the pass declarations, the verifier, graph text and the test
+# helpers.
 NOT_PASSES = {
     "passes",
     "passes.pipeline",
+    "passes.registration",
+    "passes.cache_key",
     "passes.verify",
     "passes.graph_text",
     "passes.interface",
