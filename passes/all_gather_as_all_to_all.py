@@ -1,20 +1,12 @@
 """gloo: every functional ``all_gather_into_tensor`` becomes an ``all_to_all_single`` that sends
 each rank the same piece, because the all_gather is not safe there with two in flight.
 
-torch 2.13 runs the functional all_gather on gloo as ``allgather_coalesced`` (a flat temporary,
-then a copy into the output), and with two or more in flight at once that path corrupts the
-heap: two processes on loopback issuing 2 to 60 async all_gathers of 8 to 100,000 floats before
-waiting aborted (``malloc(): unaligned tcache chunk detected``, or SIGSEGV) within 1,000 rounds
-in every try, with or without the inputs kept alive, while one at a time, or the same rounds of
-all_to_all_single, reduce_scatter, all_reduce or broadcast, ran clean (pytorch/pytorch#65231
-and #65237 report gloo's async allgather_coalesced aborting the same way). The
-``all_gather_into_tensor_out`` variant runs clean on gloo too, but Inductor lowers it as an
-in-place kernel and reuses its input buffer for the next kernel before the wait (seen in its
-output code: ``buf377 = buf372; del buf372  # reuse`` right after the collective), so the chunks
-went out overwritten. Out-of-place collectives keep their inputs until the wait. The chunked
-all_gathers of ``all_to_all_weight_update``, and ``shard_weight_update``'s when it is forced on
-gloo, are several in flight by design; so this pass runs last (after the scheduling passes,
-which treat all_to_all as a gradient collective) and rewrites each::
+On gloo the functional all_gather (``allgather_coalesced``) corrupts the heap with two or more
+in flight, and its ``_out`` variant is lowered in place, so its input may be overwritten before
+the wait (the record is in docs/passes.md). The chunked all_gathers of
+``all_to_all_weight_update``, and ``shard_weight_update``'s when it is forced on gloo, are
+several in flight by design; so this pass runs last (after the scheduling passes, which treat
+all_to_all as a gradient collective) and rewrites each::
 
     ag = all_gather_into_tensor(x, N, G)     ->    ag = all_to_all_single(cat([x] * N), [d] * N,
     w = wait_tensor(ag)                                                   [d] * N, G)

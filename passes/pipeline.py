@@ -79,15 +79,9 @@ def keep_collective_inputs_dense(graph: Graph) -> None:
     its buffer out dense. Otherwise Inductor's comprehensive padding (on by default on CUDA)
     pads a row stride above 1024 elements to a multiple of 128 bytes, and a bucket
     ``[rows, width]`` is written padded and then copied whole to a dense buffer for the
-    collective::
-
-        buf126 = empty_strided_cuda((2, 4680), (4736, 1), torch.int8)   # the members write it
-        buf127 = empty_strided_cuda((2, 4680), (4680, 1), torch.int8)
-        triton_poi_fused_12.run(buf126, buf127, 9360)                    # a copy of the bucket
-        all_to_all_single.default(buf127, ...)
-
-    With the mark the members write ``buf126`` dense and the collective reads it. Inductor
-    carries the mark back to the nodes that produce it through every op but a reduction."""
+    collective (docs/passes.md shows the generated code). With the mark the members write the
+    collective's buffer dense. Inductor carries the mark back to the nodes that produce it
+    through every op but a reduction."""
     for node in graph.nodes:
         if is_collective(node) and isinstance(node.args[0], torch.fx.Node):
             node.args[0].meta["dislike_padding"] = True
