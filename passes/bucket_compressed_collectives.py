@@ -3,10 +3,10 @@
 Compiled DDP with a compression hook issues one small collective per parameter: Inductor's
 ``ddp_fusion`` only buckets all_reduces fed by a plain division. This pass buckets the
 compressed ones (the collective's input is a cast to a narrower float dtype) per
-(collective, group, reduce op, wire dtype), adjacent in collective order (any other
-collective in between separates them), up to
-``bucket_cap_mb`` of wire bytes; the first bucket goes out as soon as it holds
-``first_bucket_cap_mb`` (DDP's rule), so a gradient larger than that cap goes out in it.
+(collective, group, reduce op, wire dtype), adjacent in collective order (any other collective
+in between separates them), up to ``bucket_cap_mb`` of wire bytes; the first bucket goes out
+as soon as it holds ``first_bucket_cap_mb`` (DDP's rule), so a gradient larger than that cap
+goes out in it.
 The default cap (``bucket_cap_mb=None``) is derived from the graph: a quarter of the wire
 bytes of the candidates of that kind, between 2 MB and 25 MB (DDP's default). Gradient
 traffic can start only once backward has produced the first bucket and the last bucket's
@@ -31,17 +31,12 @@ For two gradients ``a`` and ``b`` (after ``fold_collective_scaling``)::
 
 Every member's pre-collective ops (scales, casts, views) move next to the ``cat``, so Inductor
 computes them straight into the flat buffer (one copy-in); every member's post-collective
-ops read its piece of the bucket, so the decompress is fused into the copy-out. (1-D members
-need no ``reshape`` / ``view``.) Linear in the graph: one labelling pass finds the buckets, one
-numbering serves every merge, and one ``split_with_sizes`` cuts a bucket (not a slice per
-member, each of which costs a fake-tensor propagation). The bucket is
-issued right after its last member's input is ready, and waited right before the first use
-of any member's result, so it overlaps with the rest of the graph. A reduce_scatter bucket
-lays members out rank-major (``cat`` of ``[N, -1]`` views along dim 1), so each rank's
-shard holds its shard of every member.
-
-Reduce-scatters of a ``data_parallel`` block (marked ``meta["custom"]["data_parallel_block"]``)
-are ``bucket_block_reduce_scatters``' to bucket, one per block, and are left alone here.
+ops read its piece of the bucket, so the decompress is fused into the copy-out. The bucket is
+issued right after its last member's input is ready, and waited right before the first use of
+any member's result, so it overlaps with the rest of the graph. A reduce_scatter bucket lays
+members out rank-major (``cat`` of ``[N, -1]`` views along dim 1), so each rank's shard holds
+its shard of every member. Linear in the graph's nodes. A ``data_parallel`` block's
+reduce-scatters (marked with its block) are ``bucket_block_reduce_scatters``' and left alone.
 
 Collective order stays a function of the graph alone (buckets follow graph order), so every
 rank issues the same collectives in the same order. Idempotent: a bucket's input is a ``cat``,
