@@ -116,7 +116,10 @@ def fsdp_worker(rank, world_size, layout):
             (ch.fp16_compress_hook, torch.float16),
             (ch.bf16_compress_hook, torch.bfloat16),
         ]:
-            for compile in (False, True) if dtype is torch.bfloat16 and has_wrapping else (False,):
+            # compiled in the slow tier's layouts only: the first Inductor compile of a process
+            # costs seconds (some 20 s per rank on a CUDA build of torch 2.11)
+            compiles = (False, True) if layout != LAYOUTS[0] else (False,)
+            for compile in compiles if dtype is torch.bfloat16 and has_wrapping else (False,):
                 with_hook = Net(has_wrapping, mesh, layout)
                 register_comm_hook(
                     with_hook, ch.LowPrecisionState(dist.group.WORLD), hook, compile=compile
@@ -193,9 +196,10 @@ def test_registration_rules(outcomes):
 
 def test_low_precision_hooks_match_mixed_precision(outcomes):
     keys = [k for k in outcomes[0] if k.startswith("mp ")]
-    assert len(keys) == 5
+    compiled = any("compile=True" in k for k in keys)
+    assert len(keys) == (5 if compiled else 4)
     # compile=True really compiled the hook
-    assert all(out["compiled graphs"] >= 1 for out in outcomes)
+    assert all(out["compiled graphs"] >= compiled for out in outcomes)
     for rank, out in enumerate(outcomes):
         for key in keys:
             grads, params = out[key]
