@@ -6,9 +6,8 @@ it (``test_benchmark_*.py``; ``fsdp_memory.py``'s rows in ``test_benchmark_fsdp_
 
 The step benchmarks (``ddp_sync``, ``fsdp_2d``, ``fsdp_step``, ``powersgd``, ``reducer_hooks``,
 ``zero_step``) compile every configuration they compare, peers included, on two or four ranks:
-their smallest run takes ten minutes or more here (``ddp_sync --models mlp-32x256 --steps 2``:
-11 minutes), more than CI has room for, so only their ``--help`` runs until each has a smoke
-mode of its own."""
+their smallest run takes more of CI than it has room for (docs/testing.md), so only their
+``--help`` runs until each has a smoke mode of its own."""
 
 from __future__ import annotations
 

@@ -116,8 +116,8 @@ def fsdp_worker(rank, world_size, layout):
             (ch.fp16_compress_hook, torch.float16),
             (ch.bf16_compress_hook, torch.bfloat16),
         ]:
-            # compiled in the slow tier's layouts only: the first Inductor compile of a process
-            # costs seconds (some 20 s per rank on a CUDA build of torch 2.11)
+            # compiled in the slow tier's layouts only: the first Inductor compile of each rank
+            # process is the costliest part of the fast tier (docs/testing.md)
             compiles = (False, True) if layout != LAYOUTS[0] else (False,)
             for compile in compiles if dtype is torch.bfloat16 and has_wrapping else (False,):
                 with_hook = Net(has_wrapping, mesh, layout)
