@@ -8,13 +8,14 @@ Each graph is what a compiled DDP backward with ``bf16_compress_hook`` looks lik
 with a fake process group (no processes). For each size: the node count, every pass's time in
 ``default_pipeline()`` order and the pipeline's total, as ``Pipeline.run`` reports them in
 ``counters["passes"]`` (the total includes its sort and lint; medians of ``--repeat`` fresh
-copies), and between the smallest and the largest graph the growth exponent
-``log(t2/t1) / log(n2/n1)`` (1.0 is linear).
+copies, each run after a full garbage collection), and between the smallest and the largest
+graph the growth exponent ``log(t2/t1) / log(n2/n1)`` (1.0 is linear).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
@@ -50,6 +51,7 @@ def measure(calls: int, world_size: int, repeat: int) -> tuple[int, dict[str, fl
     for _ in range(repeat):
         graph = copy_graph(gm.graph)
         counters["passes"].clear()
+        gc.collect()  # an earlier copy's garbage is not collected inside this run
         pipeline.run(graph)
         for name in names:
             times[name].append(counters["passes"][f"{name}: us"] / 1e6)

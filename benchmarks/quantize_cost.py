@@ -40,8 +40,7 @@ import results
 from train_ddp import synchronize
 
 from compiled_hooks import ops
-from compiled_hooks.int8_collectives import sum_received
-from compiled_hooks.quantize import (
+from compiled_hooks.int8.codec import (
     dequantize_packed,
     pack,
     pack_by_cat,
@@ -49,6 +48,7 @@ from compiled_hooks.quantize import (
     quantize,
     to_blocks,
 )
+from compiled_hooks.int8.collectives import sum_received
 
 BLOCK = 256
 

@@ -8,8 +8,7 @@ from . import fsdp, ops, powersgd, zero  # noqa: F401 - ops: every custom op, re
 from .ddp import compile_ddp, compiled_autograd, ddp_comm_hook
 from .grad_scaler import ShardedGradScaler
 from .hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
-from .quantized import int8_compress_hook
-from .quantized_state import QuantizedState
+from .int8 import QuantizedState, int8_compress_hook
 from .state import DefaultState, LowPrecisionState
 
 __version__ = "0.1.0"

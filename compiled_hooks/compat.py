@@ -2,14 +2,10 @@
 
 The packages support torch 2.11 to 2.15 (:data:`SUPPORTED`). They rely on names that torch
 does not promise to keep: functional collectives, FSDP2's parameter groups, Inductor's
-custom-pass hook, compiled autograd's entry point, c10d's group registry. Every such name is
-read in this module, so a release that moves one fails here, in one place, and the other
-modules import what they need from here (``tests/test_compat.py`` checks both: that every
-name resolves on the running torch, and that no other module reads the internals listed in
-:data:`OWNED`).
-
-Names are resolved by feature detection (does the attribute exist), never by comparing
-version strings. What differs across the supported range:
+custom-pass hook, compiled autograd's entry point, c10d's group registry. Each is read here
+only, by feature detection (never by version strings), so a release that moves one fails in
+one place (``tests/test_compat.py``: every name resolves, and no other module reads the
+internals in :data:`OWNED`). What differs across the supported range:
 
 =================================  ===============================================================
 functional all-gather and          ``all_gather_single`` / ``reduce_scatter_single`` from 2.13;

@@ -15,7 +15,10 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
   parameter's gather and of its gradient's reduction carries ``meta["custom"][BLOCK]``, the
   name of its block (``""`` for the root), forward and backward; with ``hybrid_shard`` the
   replicas' all-reduce chain after a reduce-scatter carries the same mark.
-- **The int8 path** (:mod:`compiled_hooks.quantized`): the error-feedback residual comes in
+- **The int8 path** (:mod:`compiled_hooks.int8`): every collective that carries packed int8
+  rows is traced under ``meta["custom"][INT8]`` (True); the passes take a collective for one
+  by the mark and its int8 input. Compiled autograd drops the marks from the backward it
+  compiles: in a graph with no mark, the int8 input alone. The error-feedback residual comes in
   through :data:`QUANTIZED_ERROR` and goes out through :data:`QUANTIZED_KEEP_ERROR` (a side
   effect); a packed collective's result (int8 blocks behind their 4-byte scales) is read only
   by :data:`DEQUANTIZE_PACKED`, which takes any strides, so the passes may bucket it.
@@ -44,6 +47,7 @@ from .ops import (
 
 __all__ = [
     "BLOCK",
+    "INT8",
     "CHECK_RANKS",
     "CHECK_RANKS_ENV",
     "DEQUANTIZE_PACKED",
@@ -56,6 +60,7 @@ __all__ = [
 ]
 
 BLOCK = "data_parallel_block"  # the key of a data_parallel node's block in meta["custom"]
+INT8 = "int8_collective"  # the key, in meta["custom"], of a collective of packed int8 rows
 
 VERIFY_ENV = "PASSES_VERIFY"  # check every rewrite (passes.verify)
 CHECK_RANKS_ENV = "PASSES_CHECK_RANKS"  # insert the rank guard (passes.insert_rank_guard)

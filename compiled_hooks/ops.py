@@ -14,12 +14,12 @@ rank guard's protocol), the op calls into it.
   gave it). Has a side effect: never dead-code eliminated.
 * ``quantized_error(like, state_id, key, part) -> error`` and
   ``quantized_keep_error(residual, state_id, key, part, row, shape)``: the int8 hook's error
-  feedback (:mod:`compiled_hooks.quantized`), read and kept in its state when the graph runs;
+  feedback (:mod:`compiled_hooks.int8.hook`), read and kept in its state when the graph runs;
   the read returns a copy (zeros before the first keep), the keep copies ``residual``, given in
   the block layout its loop computes it in, into the state in ``shape``. The keep has a side
   effect.
 * ``dequantize_packed(packed, block_size) -> values``: fp32 ``[rows, blocks, block_size]`` of
-  the int8 rows a quantized collective received (:func:`compiled_hooks.quantize.
+  the int8 rows a quantized collective received (:func:`compiled_hooks.int8.codec.
   dequantize_packed`), computed by ATen; the int8 collectives call it on CPU for rows from
   256 KiB up, where Inductor's loops load int8 through a temporary buffer.
 * ``powersgd_fold_error(error!, grad)``: ``error += grad`` in place, declared as mutating
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from . import compat, rank_guard
-from .quantize import dequantize_packed_eager, from_blocks, packed_blocks
+from .int8.codec import dequantize_packed_eager, from_blocks, packed_blocks
 
 __all__ = [
     "group_rank",
@@ -90,7 +90,7 @@ def powersgd_count(
     """Count one hook call of ``slot`` for the PowerSGD state ``state_id`` and return the Q
     (``q_rows x q_cols``) this call starts from; empty for a call that does not compress.
     Returning Q ties the read of the state to this call's place in the graph."""
-    return _state(state_id, "powerSGD_hook")._counted(slot, grad, q_rows, q_cols)
+    return _state(state_id, "powerSGD_hook").count_call(slot, grad, q_rows, q_cols)
 
 
 @powersgd_count.register_fake
@@ -109,7 +109,7 @@ def quantized_error(like: torch.Tensor, state_id: int, key: str, part: int) -> t
     """A copy of the error kept for ``(key, part)``, shaped and typed like ``like``; zeros
     before the first keep."""
     hook = "int8_compress_hook"
-    return _state(state_id, hook)._error(key, part, like, hook)
+    return _state(state_id, hook).read_error(key, part, like, hook)
 
 
 @quantized_error.register_fake
@@ -121,11 +121,11 @@ def _(like: torch.Tensor, state_id: int, key: str, part: int) -> torch.Tensor:
 def quantized_keep_error(
     residual: torch.Tensor, state_id: int, key: str, part: int, row: int, shape: list[int]
 ) -> None:
-    """Keep ``residual``, in :func:`~compiled_hooks.quantize.to_blocks`'s block layout, as the
+    """Keep ``residual``, in :func:`~compiled_hooks.int8.codec.to_blocks`'s block layout, as the
     error of ``(key, part)``: its rows cut to ``row`` elements, the first ``prod(shape)`` in
-    ``shape`` (:func:`~compiled_hooks.quantize.from_blocks`), copied."""
+    ``shape`` (:func:`~compiled_hooks.int8.codec.from_blocks`), copied."""
     error = from_blocks(residual, row, shape)
-    _state(state_id, "int8_compress_hook")._keep_error(key, part, error)
+    _state(state_id, "int8_compress_hook").keep_error(key, part, error)
 
 
 @quantized_keep_error.register_fake

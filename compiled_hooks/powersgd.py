@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from . import ops, validation
-from .powersgd_state import PowerSGDState, _should_compress, _Slot, random_q
+from .powersgd_state import PowerSGDState, Slot, random_q, should_compress
 
 __all__ = ["PowerSGDState", "orthogonalize", "powerSGD_hook", "random_q", "reduce_bucket_async"]
 
@@ -92,20 +92,6 @@ def _orthogonalize_each(
             for i, o in zip(members, batch.unbind(0)):
                 out[i] = o
     return out  # type: ignore[return-value]
-
-
-def _slot(state: PowerSGDState, key: torch.Tensor) -> int:
-    slot = state._slot_of.get(key)
-    if slot is None:
-        if state._per_step is not None:
-            raise ValueError(
-                f"powerSGD_hook: this PowerSGDState already serves a model of {state._per_step} "
-                "parameters and was given another parameter; make one PowerSGDState per DDP "
-                "model."
-            )
-        slot = len(state._slot_of)
-        state._slot_of[key] = slot
-    return slot
 
 
 def _fold_error(error: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -194,26 +180,26 @@ def _begin(
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"{name}: state must be a PowerSGDState, got {type(state).__name__}.")
     validation.check_tensor(name, "grad", grad)
-    slot = _slot(state, grad if param is None else param)
+    slot = state.slot_index(grad if param is None else param)
     compressing = state.compressing  # read first: this very call may switch compression on
-    compress, _, _ = _should_compress(
+    compress, _, _ = should_compress(
         grad.shape, state.matrix_approximation_rank, state.min_compression_rate
     )
-    s = state._slots.get(slot)  # None only in the first step
+    s = state.slot(slot)  # None only in the first step
     if s is not None and grad.shape != s.shape:
         raise ValueError(
             f"{name}: gradient of shape {tuple(grad.shape)} for a parameter whose gradient had "
             f"shape {tuple(s.shape)}"
         )
     q_shape = (
-        _Slot.q_shape_of(grad.shape, state.matrix_approximation_rank)
+        Slot.q_shape_of(grad.shape, state.matrix_approximation_rank)
         if compressing and compress
         else (0, 0)
     )
     if eager:  # what the op runs, without its dispatch
-        q0 = state._counted(slot, grad, *q_shape)
+        q0 = state.count_call(slot, grad, *q_shape)
     else:  # traced, the count must happen when the graph runs
-        q0 = ops.powersgd_count(grad, state._id, slot, *q_shape)
+        q0 = ops.powersgd_count(grad, state.state_id, slot, *q_shape)
     if not compressing:
         return _Call(grad, AVERAGE)
     if not compress:
@@ -325,7 +311,7 @@ def reduce_bucket_async(state: PowerSGDState, bucket: Any) -> torch.futures.Futu
     calls = [
         _begin(state, g, p, eager=True) for g, p in zip(bucket.gradients(), bucket.parameters())
     ]
-    buffer, order = bucket.buffer(), state._in_order
+    buffer, order = bucket.buffer(), state.in_order
     if all(c.kind == AVERAGE for c in calls):  # the gradients are views of the whole buffer
         slot = order.reserve()
         return order.fill(

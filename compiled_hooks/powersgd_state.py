@@ -22,10 +22,10 @@ import torch.distributed as dist
 from . import ops
 from .in_order import InOrder
 
-__all__ = ["PowerSGDState", "random_q"]
+__all__ = ["PowerSGDState", "Slot", "random_q", "should_compress"]
 
 
-class _Slot:
+class Slot:
     """One parameter's compression state."""
 
     __slots__ = ["shape", "dtype", "device", "compress", "q_shape", "error", "q"]
@@ -54,7 +54,7 @@ def _matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
     return shape[0], shape.numel() // shape[0]
 
 
-def _should_compress(
+def should_compress(
     shape: torch.Size, rank: int, min_compression_rate: float
 ) -> tuple[bool, int, int]:
     """(compress?, elements before, elements after) for a gradient of ``shape``, by the original's
@@ -163,20 +163,43 @@ class PowerSGDState:
         self.compressing = start_powerSGD_iter == 0
         # parameter (or gradient) -> slot number, in first-call order
         self._slot_of: dict[torch.Tensor, int] = {}
-        self._slots: dict[int, _Slot] = {}
+        self._slots: dict[int, Slot] = {}
         self._per_step: int | None = None  # hook calls per step, known after the first step
         self._seen: set[int] = set()  # slots called in this step
-        self._in_order = InOrder()  # the C++ reducer's form issues its collectives through it
-        self._id = ops.register_state(self)
+        self.in_order = InOrder()  # the C++ reducer's form issues its collectives through it
+        self.state_id = ops.register_state(self)  # how a compiled graph names this state
 
-    # -- bookkeeping, run when the graph runs (see the module docstring) --------------------
+    # -- the hook's interface -------------------------------------------------------------
 
-    def _counted(self, slot: int, grad: torch.Tensor, q_rows: int, q_cols: int) -> torch.Tensor:
+    def slot_index(self, key: torch.Tensor) -> int:
+        """The slot of the parameter (or gradient) ``key``, numbered in first-call order;
+        ``ValueError`` for a new key once the first step has fixed the model's parameters."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            if self._per_step is not None:
+                raise ValueError(
+                    f"powerSGD_hook: this PowerSGDState already serves a model of "
+                    f"{self._per_step} parameters and was given another parameter; make one "
+                    "PowerSGDState per DDP model."
+                )
+            slot = len(self._slot_of)
+            self._slot_of[key] = slot
+        return slot
+
+    def slot(self, index: int) -> Slot | None:
+        """The compression state of slot ``index``; None before its first counted call."""
+        return self._slots.get(index)
+
+    # run when the graph runs (see the module docstring)
+    def count_call(self, slot: int, grad: torch.Tensor, q_rows: int, q_cols: int) -> torch.Tensor:
+        """Count one hook call of ``slot`` and return the Q (``q_rows x q_cols``, empty when
+        the call does not compress) it starts from; the step ends when every slot has had
+        its call."""
         if slot not in self._slots:
-            compress, _, _ = _should_compress(
+            compress, _, _ = should_compress(
                 grad.shape, self.matrix_approximation_rank, self.min_compression_rate
             )
-            self._slots[slot] = _Slot(grad, compress, self.matrix_approximation_rank)
+            self._slots[slot] = Slot(grad, compress, self.matrix_approximation_rank)
         if slot in self._seen:  # a parameter's second call: a new step began
             if self._per_step is None:
                 self._per_step = len(self._seen)
@@ -226,7 +249,7 @@ class PowerSGDState:
         """(rate, elements before, elements after compression) per step, as the original reports."""
         before = after = 0
         for s in self._slots.values():
-            _, b, a = _should_compress(
+            _, b, a = should_compress(
                 s.shape, self.matrix_approximation_rank, self.min_compression_rate
             )
             before += b

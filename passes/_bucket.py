@@ -3,7 +3,6 @@ can move into its members, and merging a bucket of collective chains into one co
 
 from __future__ import annotations
 
-import operator
 from typing import cast
 
 from torch.fx import Graph, Node
@@ -22,7 +21,7 @@ from ._graph import (
     scale_factor,
     val,
 )
-from ._values import flat_value, new_node, split_values
+from ._values import flat_value, new_node, piece_of, split_node
 
 
 def is_compressed(chain: Chain) -> bool:
@@ -119,20 +118,11 @@ def merge_chains(
     with graph.inserting_before(first_use):
         wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
         sizes = [val(c.collective).numel() for c in bucket]
-        pieces = new_node(
-            graph,
-            aten.split_with_sizes.default,
-            (wait, sizes),
-            name="bucket_pieces",
-            value=split_values(val(wait), sizes),
-        )
+        pieces = split_node(graph, wait, sizes, "bucket_pieces")
     for i, c in enumerate(bucket):
         out = val(c.collective)
         with graph.inserting_before(first_use):
-            piece = graph.call_function(operator.getitem, (pieces, i))
-            piece.meta["val"] = val(pieces)[i]
-            if out.dim() != 1:
-                piece = new_node(graph, aten.view.default, (piece, list(out.shape)))
+            piece = piece_of(graph, pieces, i, list(out.shape) if out.dim() != 1 else None)
         c.wait.replace_all_uses_with(piece)
         for n in c.post:
             first_use.prepend(n)

@@ -25,7 +25,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
-from compiled_hooks.graph_contract import BLOCK
+from compiled_hooks.graph_contract import BLOCK, INT8
 
 log = logging.getLogger("passes")
 
@@ -244,11 +244,30 @@ def match_chain(collective: Node) -> Chain | None:
 
 
 def is_quantized(collective: Node) -> bool:
-    """Whether a collective carries int8: the packed rows of the int8 hooks
-    (:mod:`compiled_hooks.int8_collectives`), never a parameter's or a gradient's values."""
+    """Whether a collective carries packed int8 rows (:mod:`compiled_hooks.int8.collectives`),
+    never a parameter's or a gradient's values: its input is int8 and it carries the
+    :data:`INT8` mark. In a graph where no collective carries the mark, the int8 input alone:
+    compiled autograd drops ``annotate``'s marks from the backward it compiles."""
     source = collective.args[0] if collective.args else None
-    val = source.meta.get("val") if isinstance(source, Node) else None
-    return isinstance(val, torch.Tensor) and val.dtype == torch.int8
+    value = source.meta.get("val") if isinstance(source, Node) else None
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.int8):
+        return False
+    return bool(collective.meta.get("custom", {}).get(INT8)) or not _int8_marked(collective.graph)
+
+
+_INT8_MARKED: weakref.WeakKeyDictionary[Graph, bool] = weakref.WeakKeyDictionary()
+
+
+def _int8_marked(graph: Graph) -> bool:
+    """Whether some collective of ``graph`` carries the :data:`INT8` mark, found the first time
+    a pass sees ``graph`` (:func:`check_graph`), as :func:`_foreign_groups` is."""
+    if graph not in _INT8_MARKED:
+        _INT8_MARKED[graph] = any(
+            n.meta.get("custom", {}).get(INT8)
+            for n in graph.nodes
+            if getattr(n.target, "namespace", None) == "_c10d_functional"
+        )
+    return _INT8_MARKED[graph]
 
 
 def block_of(node: Node) -> str | None:
@@ -263,6 +282,7 @@ def check_graph(pass_name: str, graph: Any) -> None:
     if not isinstance(graph, Graph):
         raise TypeError(f"{pass_name}: expected a torch.fx.Graph, got {type(graph).__name__}")
     _foreign_groups(graph)
+    _int8_marked(graph)
 
 
 def chains(graph: Graph, pass_name: str) -> list[Chain]:
@@ -270,9 +290,11 @@ def chains(graph: Graph, pass_name: str) -> list[Chain]:
     metadata (a graph not traced the way Inductor traces) are skipped and counted."""
     check_graph(pass_name, graph)
     out = []
-    for node in graph.nodes:
-        if not is_op(node, COLLECTIVES):
-            continue
+    # through the graph's index by target, not a walk of every node; sorted into graph order
+    found = [
+        n for t in COLLECTIVES for n in graph.find_nodes(op="call_function", target=t, sort=False)
+    ]
+    for node in sorted(found):
         chain = match_chain(node)
         if chain is None:
             continue

@@ -19,6 +19,8 @@ from compiled_hooks import compat
 # inside the cast's kernel. "fake" is the test backend (no communication; it stands for NCCL in
 # traced graphs).
 AVG_BACKENDS = frozenset({"nccl", "fake"})
+# Backends whose collectives the *_as_all_to_all rewrites make all_to_alls of, by default
+ALL_TO_ALL_BACKENDS = frozenset({"gloo"})
 # The most bytes per destination one all_to_all the gloo rewrites send (all_to_all_weight_update,
 # all_gather_as_all_to_all, reduce_scatter_as_all_to_all) where the ranks span hosts: on a
 # bandwidth-bound link gloo moves one large all_to_all well below the link's rate, and the same

@@ -3,6 +3,7 @@ bucket's flat ``cat`` and its split back into pieces."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -10,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx import Graph, Node
 
-from ._graph import VIEW_OPS, is_op, val
+from ._graph import VIEW_OPS, aten, is_op, val
 
 
 def new_node(
@@ -75,3 +76,18 @@ def split_values(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | N
         mode.fake_tensor_converter.from_meta_and_device(mode, piece, flat.device)
         for piece in torch.split_with_sizes(base, sizes)
     ]
+
+
+def split_node(graph: Graph, flat: Node, sizes: list[int], name: str) -> Node:
+    """``split_with_sizes(flat, sizes)`` at the insert point, its values from
+    :func:`split_values`: a bucket's result cut back into its members' pieces."""
+    value = split_values(val(flat), sizes)
+    return new_node(graph, aten.split_with_sizes.default, (flat, sizes), name=name, value=value)
+
+
+def piece_of(graph: Graph, pieces: Node, i: int, shape: list[int] | None) -> Node:
+    """Piece ``i`` of the :func:`split_node` ``pieces`` at the insert point, viewed in ``shape``
+    (None: left 1-D)."""
+    piece = graph.call_function(operator.getitem, (pieces, i))
+    piece.meta["val"] = val(pieces)[i]
+    return piece if shape is None else new_node(graph, aten.view.default, (piece, shape))

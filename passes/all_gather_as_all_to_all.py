@@ -41,14 +41,13 @@ from typing import cast
 from torch.fx import Graph, Node
 
 from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, check_graph, is_op, record, val
-from ._groups import chunk_bounds, group_info, resolve_chunk_bytes
+from ._groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
 from ._values import new_node
 from .interface import graph_pass
 
 __all__ = ["all_gather_as_all_to_all", "Options"]
 
 PASS = "all_gather_as_all_to_all"
-BACKENDS = frozenset({"gloo"})
 
 
 def _in_pieces(graph: Graph, ag: Node, pieces: list[tuple[int, int]]) -> Node:
@@ -82,12 +81,10 @@ def _in_pieces(graph: Graph, ag: Node, pieces: list[tuple[int, int]]) -> Node:
 class Options:
     """The options of :func:`all_gather_as_all_to_all`."""
 
-    all_gather_backends: Collection[str] = BACKENDS
+    all_gather_backends: Collection[str] = ALL_TO_ALL_BACKENDS
     """Backends whose all-gathers are rewritten."""
     all_to_all_chunk_bytes: int | None = None
-    """The most bytes per destination one all_to_all sends; a larger exchange goes out in
-    pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
-    span hosts, no limit where they share one (``_groups.resolve_chunk_bytes``)."""
+    """Most bytes per destination of one all_to_all (``_groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(
@@ -103,7 +100,7 @@ class Options:
 )
 def all_gather_as_all_to_all(
     graph: Graph,
-    all_gather_backends: Collection[str] = BACKENDS,
+    all_gather_backends: Collection[str] = ALL_TO_ALL_BACKENDS,
     all_to_all_chunk_bytes: int | None = None,
 ) -> bool:
     """Rewrite all_gathers on groups whose backend is in ``all_gather_backends`` to all_to_alls

@@ -2,17 +2,11 @@
 all_to_all + a local sum and all_gather, each in chunks.
 
 The ZeRO step (:mod:`compiled_hooks.zero`, both layouts) reduces a flat gradient bucket of
-``N`` rows, reads only this rank's row of it, updates that row's parameters and rebuilds every
-row from its owner's broadcast. ``shard_weight_update`` turns that into reduce_scatter +
-all_gather, which moves half the bytes of all_reduce + broadcasts on NCCL; on gloo its
-reduce_scatter is an all_reduce in disguise, no cheaper. This pass makes the same exchange out
-of gloo's all_to_all, which sends each rank only its row, and sums the N received rows
-locally; and it issues both exchanges in chunks of at most ``all_to_all_chunk_bytes`` per
-destination, which gloo moves at the link's rate where one large message does not. Every
-piece is one more collective to issue, which costs where the wire is free: by default the
-pieces are ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks span hosts and the exchange goes out whole
-where they share one, as in the other gloo rewrites (``_groups.resolve_chunk_bytes``,
-docs/benchmarks.md). Two independent rewrites, each exact on its own:
+``N`` rows, reads only this rank's row, updates it, and rebuilds every row from its owner's
+broadcast. On gloo this pass makes that exchange out of all_to_all (each rank is sent only its
+row, and sums the N rows it receives) and all_gather, in pieces of at most
+``all_to_all_chunk_bytes`` per destination (``_groups.resolve_chunk_bytes``; why gloo needs
+both, docs/passes.md). Two independent rewrites, each exact on its own:
 
 1. *own row of an all_reduce* (sum or avg; matched as ``shard_weight_update`` matches it)::
 
@@ -44,13 +38,10 @@ docs/benchmarks.md). Two independent rewrites, each exact on its own:
    within one chunk, a ``cat`` of its parts across two. The join of all rows, which Inductor
    makes a copy of its own on CPU, is then not made unless something else reads it.
 
-On gloo, ``all_gather_as_all_to_all`` (last in ``default_pipeline``) then turns each all_gather
-into an all_to_all of the same bytes: gloo's all_gather is not safe with several in flight.
-
-Where the backend is in ``all_to_all_backends`` (default gloo only: NCCL and the fake test backend
-get ``shard_weight_update``'s reduce_scatter, which needs no local sum); another backend is left
-alone and counted. Runs before anything that buckets all_reduces (``default_pipeline`` puts it
-first, after ``shard_weight_update`` when that is asked for, which leaves gloo graphs alone).
+Only where the backend is in ``all_to_all_backends`` (default gloo: NCCL and the fake test
+backend get ``shard_weight_update``'s reduce_scatter); others are left alone and counted. Runs
+first, before anything buckets all_reduces; ``all_gather_as_all_to_all`` (last) then makes each
+all_gather an all_to_all, since gloo's all_gather is not safe with several in flight.
 """
 
 from __future__ import annotations
@@ -75,7 +66,7 @@ from ._graph import (
     record,
     val,
 )
-from ._groups import chunk_bounds, resolve_chunk_bytes
+from ._groups import ALL_TO_ALL_BACKENDS, chunk_bounds, resolve_chunk_bytes
 from ._values import flat_value, new_node, reapply
 from ._weight_update import weight_update_matches
 from .interface import graph_pass
@@ -83,7 +74,6 @@ from .interface import graph_pass
 __all__ = ["all_to_all_weight_update", "Options"]
 
 PASS = "all_to_all_weight_update"
-BACKENDS = frozenset({"gloo"})
 
 
 def _packed_rows(graph: Graph, chain, n: int, c: int, lo: int, hi: int) -> Node:
@@ -267,18 +257,16 @@ def _rewrite_owner_broadcasts(
 class Options:
     """The options of :func:`all_to_all_weight_update`."""
 
-    all_to_all_backends: Collection[str] = BACKENDS
+    all_to_all_backends: Collection[str] = ALL_TO_ALL_BACKENDS
     """Backends whose weight exchange is rewritten."""
     all_to_all_chunk_bytes: int | None = None
-    """The most bytes per destination one all_to_all sends; a larger exchange goes out in
-    pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
-    span hosts, no limit where they share one (``_groups.resolve_chunk_bytes``)."""
+    """Most bytes per destination of one all_to_all (``_groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(options=Options, after=("shard_weight_update",))
 def all_to_all_weight_update(
     graph: Graph,
-    all_to_all_backends: Collection[str] = BACKENDS,
+    all_to_all_backends: Collection[str] = ALL_TO_ALL_BACKENDS,
     all_to_all_chunk_bytes: int | None = None,
 ) -> bool:
     """Rewrite own-row all_reduces to chunked all_to_all + sum and owner broadcasts to chunked

@@ -34,9 +34,8 @@ computes them straight into the flat buffer (one copy-in); every member's post-c
 ops read its piece of the bucket, so the decompress is fused into the copy-out. The bucket is
 issued right after its last member's input is ready, and waited right before the first use of
 any member's result, so it overlaps with the rest of the graph. A reduce_scatter bucket lays
-members out rank-major (``cat`` of ``[N, -1]`` views along dim 1), so each rank's shard holds
-its shard of every member. Linear in the graph's nodes. A ``data_parallel`` block's
-reduce-scatters (marked with its block) are ``bucket_block_reduce_scatters``' and left alone.
+members out rank-major, so each rank's shard holds its shard of every member. Linear in the
+graph's nodes. A ``data_parallel`` block's reduce-scatters are left to its own pass.
 
 Collective order stays a function of the graph alone (buckets follow graph order), so every
 rank issues the same collectives in the same order. Idempotent: a bucket's input is a ``cat``,

@@ -32,7 +32,6 @@ as a graph input. Idempotent: a bucket's input is a ``cat``, not a product.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ from torch.fx import Graph, Node
 from compiled_hooks.graph_contract import POWERSGD_COUNT
 
 from ._graph import ALL_REDUCE, WAIT, Chain, arg, aten, check_graph, is_op, match_chain, record, val
-from ._values import flat_value, new_node, split_values
+from ._values import flat_value, new_node, piece_of, split_node
 from .interface import graph_pass
 
 __all__ = ["bucket_low_rank_factors", "Options"]
@@ -122,18 +121,9 @@ def _merge(graph: Graph, bucket: list[Chain], order: dict[Node, int]) -> None:
             graph, ALL_REDUCE, (flat, *bucket[0].collective.args[1:]), name="factor_all_reduce"
         )
         wait = new_node(graph, WAIT, (coll,), name="factor_wait")
-        pieces = new_node(
-            graph,
-            aten.split_with_sizes.default,
-            (wait, numels),
-            name="factor_pieces",
-            value=split_values(val(wait), numels),
-        )
+        pieces = split_node(graph, wait, numels, "factor_pieces")
         for i, c in enumerate(bucket):
-            piece = graph.call_function(operator.getitem, (pieces, i))
-            piece.meta["val"] = val(pieces)[i]
-            piece = new_node(graph, aten.view.default, (piece, list(val(c.collective).shape)))
-            c.wait.replace_all_uses_with(piece)
+            c.wait.replace_all_uses_with(piece_of(graph, pieces, i, list(val(c.collective).shape)))
     for c in bucket:
         graph.erase_node(c.wait)
         graph.erase_node(c.collective)

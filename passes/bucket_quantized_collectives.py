@@ -1,6 +1,6 @@
 """bucket_quantized_collectives: the int8 hooks' collectives of many gradients go out as one.
 
-``int8_compress_hook`` (:mod:`compiled_hooks.quantized`) sends each gradient's quantized rows
+``int8_compress_hook`` (:mod:`compiled_hooks.int8.hook`) sends each gradient's quantized rows
 with one ``all_to_all`` and, in its all-reduce form, gathers the re-quantized shard with one
 ``all_gather``, of int8 tensors ``[rows, W]`` (a row's scales' bytes, then its values). In a
 compiled DDP backward that is two collectives per parameter; ``data_parallel``'s int8 weight
@@ -8,7 +8,7 @@ gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pas
 collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
 graph) into buckets of at most ``quantized_bucket_cap_mb``: the members' rows side by side (a
 ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a member packed by a cat of
-its own, as :func:`compiled_hooks.quantize.pack` does on CPU, gives that cat's inputs,
+its own, as :func:`compiled_hooks.int8.codec.pack` does on CPU, gives that cat's inputs,
 so a bucket is one cat), one collective, and each member reads its columns back (a contiguous
 copy, except where only the ``dequantize_packed`` op reads them: it takes any strides)::
 
@@ -31,8 +31,8 @@ bit for bit. Collective order changes, the same on every rank. Idempotent: one m
 bucket is left alone.
 
 Members: ``all_to_all_single`` with even splits (the same row count to and from every rank)
-and ``all_gather_into_tensor``, of a 2-D int8 input, with one user, its wait (the int8
-collectives are the only ones that carry int8).
+and ``all_gather_into_tensor`` of a 2-D int8 input, marked as the int8 collectives mark them
+(``graph_contract.INT8``), with one user, its wait.
 """
 
 from __future__ import annotations
@@ -45,7 +45,18 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import DEQUANTIZE_PACKED
 
-from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, block_of, check_graph, is_op, record, val
+from ._graph import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    WAIT,
+    aten,
+    block_of,
+    check_graph,
+    is_op,
+    is_quantized,
+    record,
+    val,
+)
 from ._traversal import ancestors, dependents, mutates
 from ._values import new_node
 from .interface import graph_pass
@@ -65,8 +76,10 @@ class Options:
 def _member(n: Node) -> bool:
     if not is_op(n, (ALL_TO_ALL, ALL_GATHER)):
         return False
+    if not is_quantized(n):
+        return False
     x = val(n.args[0])
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 2:
+    if x.dim() != 2:
         return False
     if n.target is ALL_TO_ALL and not (_even(n.args[1], x.shape[0]) and n.args[1] == n.args[2]):
         return False

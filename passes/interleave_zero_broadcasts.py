@@ -16,13 +16,11 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
   between a gradient collective and the next one that depends on the first one's result (its
   wait, the update, the broadcasts and their waits) moves down to just after the next
   gradient collectives are issued (a bucket's chunks, issued together), after the backward
-  compute they need, so the first one runs meanwhile, and the next bucket's gradients go on
-  the wire ahead of the broadcasts (this collective order is the same on every rank). Where
-  one of the two gradient collectives is compressed (fed by a narrowing cast), the update and
-  broadcasts go just *before* the next one instead, the rest just after it: with no broadcast
-  between them, ``bucket_compressed_collectives`` would merge the two on a second run. The
-  last bucket's update, with no gradient collective after it, is placed right after its
-  gradient's wait::
+  compute they need, so the first one runs meanwhile and the next gradients go on the wire
+  ahead of the broadcasts (docs/passes.md says why not before). Where one of the two is
+  compressed, they go just *before* it instead, so that ``bucket_compressed_collectives``
+  cannot merge the two on a second run. The last bucket's update, with no gradient
+  collective after it, goes right after its gradient's wait::
 
       before                             after
       ar1 = all_reduce(g1)               ar1 = all_reduce(g1)
@@ -35,20 +33,15 @@ The schedule follows the graph it is given, which the two ZeRO hooks make differ
       u2 = ...; b2 = ...; wb2 = wait(b2) wb1 = wait(b1); wb2 = wait(b2)   # at the write-back
       copy_(p1, wb1); copy_(p2, wb2)     copy_(p1, wb1); copy_(p2, wb2)
 
-  Placing the update just *before* the next gradient collective instead would put each
-  bucket's broadcasts on the wire ahead of the next bucket's gradients, which the next update
-  then waits for.
-
 - after backward (``hook_with_zero_step``: every broadcast comes after every gradient
   collective): updates start after the last gradient collective is issued, each right after
   its gradient's wait, in gradient order, overlapping the collectives still outstanding.
 
-In both, each broadcast's wait is moved to just before the write-back of the parameter, with
-the pure computation that reads its result (the rows' join, the parameters' slices; a write
-or a collective that needs one of them ends the wait), so all broadcasts are in flight
-together and an update runs while the broadcasts before it are. Only compute nodes, waits and the
-ZeRO broadcasts move: an update that depends on another collective, a wait or a mutation, or that
-would move past a write (which it might read), is left where it is.
+In both, each broadcast's wait moves to just before the parameter's write-back, with the pure
+computation that reads its result (a write or a collective that needs one ends the wait), so
+all broadcasts are in flight together and an update runs while the broadcasts before it are.
+Only compute, waits and the ZeRO broadcasts move: an update that depends on another
+collective, a wait or a mutation, or that would move past a write, is left where it is.
 """
 
 from __future__ import annotations

@@ -41,14 +41,13 @@ import torch
 from torch.fx import Graph, Node
 
 from ._graph import ALL_TO_ALL, REDUCE_SCATTER, WAIT, aten, check_graph, is_op, prims, record, val
-from ._groups import chunk_bounds, group_info, resolve_chunk_bytes
+from ._groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
 from ._values import new_node
 from .interface import graph_pass
 
 __all__ = ["reduce_scatter_as_all_to_all", "Options"]
 
 PASS = "reduce_scatter_as_all_to_all"
-BACKENDS = frozenset({"gloo"})
 
 
 def _sent(graph: Graph, x: Node, size: int, group, pieces: list[tuple[int, int]]) -> list[Node]:
@@ -73,12 +72,10 @@ def _sent(graph: Graph, x: Node, size: int, group, pieces: list[tuple[int, int]]
 class Options:
     """The options of :func:`reduce_scatter_as_all_to_all`."""
 
-    reduce_scatter_backends: Collection[str] = BACKENDS
+    reduce_scatter_backends: Collection[str] = ALL_TO_ALL_BACKENDS
     """Backends whose reduce-scatters are rewritten."""
     all_to_all_chunk_bytes: int | None = None
-    """The most bytes per destination one all_to_all sends; a larger exchange goes out in
-    pieces of at most this, all in flight. None: ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks
-    span hosts, no limit where they share one (``_groups.resolve_chunk_bytes``)."""
+    """Most bytes per destination of one all_to_all (``_groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(
@@ -93,7 +90,7 @@ class Options:
 )
 def reduce_scatter_as_all_to_all(
     graph: Graph,
-    reduce_scatter_backends: Collection[str] = BACKENDS,
+    reduce_scatter_backends: Collection[str] = ALL_TO_ALL_BACKENDS,
     all_to_all_chunk_bytes: int | None = None,
 ) -> bool:
     """Rewrite reduce-scatters on groups whose backend is in ``reduce_scatter_backends`` into

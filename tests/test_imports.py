@@ -1,6 +1,8 @@
 """The packages' import structure: ``passes`` -> ``compiled_hooks`` -> torch, no pass module
 imports another pass or ``passes.testing``, and no import cycle, function-level imports
-included. Read from the sources (every ``import`` statement), not from a run."""
+included; no module reads another's private names, the int8 format is defined in
+``compiled_hooks.int8`` only, and no benchmark imports the tests. Read from the sources, not
+from a run."""
 
 import ast
 import pathlib
@@ -163,3 +165,163 @@ def test_the_walk_sees_function_level_and_relative_imports():
         "compiled_hooks.zero.layout",
     }
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_definitions(tree: ast.AST) -> set[str]:
+    """The private names a module defines: module-level and class-level functions, classes and
+    assignments, ``self._x`` attributes and ``__slots__`` entries."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            names.add(node.attr)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            names.update(
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            )
+    return {n for n in names if _is_private(n)}
+
+
+def _private_uses(tree: ast.AST) -> set[tuple[int, str]]:
+    """``x._name`` for any ``x`` but ``self`` / ``cls``, and ``from m import _name``."""
+    uses: set[tuple[int, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                uses.add((node.lineno, node.attr))
+        elif isinstance(node, ast.ImportFrom) and (
+            node.level
+            or "compiled_hooks" in (node.module or "")
+            or (node.module or "").startswith("passes")
+        ):
+            uses.update((node.lineno, a.name) for a in node.names if _is_private(a.name))
+    return uses
+
+
+# Private names of one library module that another reads, each with its reason. The scan goes by
+# name, so a torch private that shares a name with one of the library's is listed here too.
+PRIVATE_READS_ALLOWED: dict[tuple[str, str], str] = {
+    ("compiled_hooks.compat", "_world"): "torch's c10d._world, read in the torch-version shims",
+    ("compiled_hooks.fsdp.blocks", "_parameters"): "nn.Module._parameters: a module's own "
+    "parameters without recursing, as nn.Module's own methods read them",
+}
+
+
+def private_reads() -> dict[tuple[str, str], list[int]]:
+    """``(module, name)`` -> lines where ``module`` reads a private ``name`` that another
+    library module defines and ``module`` does not."""
+    trees = {m: ast.parse(p.read_text()) for m, p in _modules().items()}
+    defined = {m: _private_definitions(t) for m, t in trees.items()}
+    found: dict[tuple[str, str], list[int]] = {}
+    for m, tree in trees.items():
+        for line, name in sorted(_private_uses(tree)):
+            owners = {o for o, names in defined.items() if name in names} - {m}
+            if owners and name not in defined[m]:
+                found.setdefault((m, name), []).append(line)
+    return found
+
+
+def test_no_library_module_reads_another_modules_private_names():
+    found = private_reads()
+    assert {k: v for k, v in found.items() if k not in PRIVATE_READS_ALLOWED} == {}
+    assert sorted(k for k in PRIVATE_READS_ALLOWED if k not in found) == []
+
+
+def test_the_private_scan_sees_attributes_and_imports():
+    a = ast.parse("class S:\n    __slots__ = ['_k']\n    def _m(self):\n        self._x = 1\n")
+    assert _private_definitions(a) == {"_k", "_m", "_x"}
+    b = ast.parse("from .s import _m\nstate._x\nself._y\nf()._k\n")
+    assert {name for _, name in _private_uses(b)} == {"_m", "_x", "_k"}
+
+
+INT8_PACKAGE = "compiled_hooks.int8"
+# What defines the int8 format: its functions, its constants, and the numbers they name
+# (QMAX, its half-step bound, the default block size).
+INT8_FORMAT_NAMES = {
+    "quantize",
+    "dequantize",
+    "pack",
+    "unpack",
+    "to_blocks",
+    "from_blocks",
+    "packed_blocks",
+    "dequantize_packed",
+}
+INT8_FORMAT_CONSTANTS = {"QMAX", "BLOCK_SIZE", "SCALE_BYTES"}
+INT8_FORMAT_NUMBERS = {127, 254}
+
+
+def int8_format_definitions() -> dict[str, list[str]]:
+    """Per library module outside :data:`INT8_PACKAGE`: the int8 format it defines itself."""
+    found: dict[str, list[str]] = {}
+    for m, path in _modules().items():
+        if m == INT8_PACKAGE or m.startswith(INT8_PACKAGE + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            # a custom op of that name is the traced handle; its eager body calls the codec
+            if (
+                isinstance(node, ast.FunctionDef)
+                and node.name in INT8_FORMAT_NAMES
+                and not node.decorator_list
+            ):
+                found.setdefault(m, []).append(f"def {node.name}")
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                for t in node.targets:
+                    if isinstance(t, ast.Name) and any(
+                        t.id.endswith(c) for c in INT8_FORMAT_CONSTANTS
+                    ):
+                        found.setdefault(m, []).append(f"{t.id} = {node.value.value!r}")
+            elif (
+                isinstance(node, ast.Constant)
+                and type(node.value) is int
+                and node.value in INT8_FORMAT_NUMBERS
+            ):
+                found.setdefault(m, []).append(f"the number {node.value} (line {node.lineno})")
+    return found
+
+
+def test_the_int8_format_is_defined_in_the_int8_package_only():
+    assert int8_format_definitions() == {}
+    modules = _modules()
+    codec = ast.parse(modules[f"{INT8_PACKAGE}.codec"].read_text())
+    defined = {n.name for n in ast.walk(codec) if isinstance(n, ast.FunctionDef)} | {
+        t.id
+        for n in ast.walk(codec)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    assert INT8_FORMAT_NAMES | INT8_FORMAT_CONSTANTS <= defined  # the scan looks for real names
+
+
+def test_no_benchmark_imports_the_tests_or_a_private_name():
+    found = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+                private: list[str] = []
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+                private = [a.name for a in node.names if _is_private(a.name)]
+            else:
+                continue
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "tests"]
+            found += [f"{path.name}: {n}" for n in private]
+    assert found == []

@@ -50,8 +50,8 @@ from torch.utils.checkpoint import (
 
 from .. import compat
 from ..graph_contract import BLOCK
-from ..int8_collectives import all_gather_quantized
-from ..quantize import BLOCK_SIZE, quantize
+from ..int8.codec import BLOCK_SIZE, quantize
+from ..int8.collectives import all_gather_quantized
 from ..state import LowPrecisionState
 
 __all__ = ["Layout", "TensorParallel", "Reduction", "gather", "INT8_BLOCK_SIZE"]

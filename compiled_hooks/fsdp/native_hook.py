@@ -11,7 +11,7 @@ from torch import nn
 
 from ..hook_kind import hook_kind
 from ..hooks import allreduce_hook, reduce_scatter_hook
-from ..quantized_state import QuantizedState
+from ..int8.state import QuantizedState
 from ..state import DefaultState, LowPrecisionState
 from .fsdp2 import ALREADY, ROOT_ONLY
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from .buckets import broadcast_rows, own_row, rank_major
 from .flat_shard import FlatShard
-from .optim_math import Rule, update
-from .storage import Items, State, Storage, clipped
+from .optim_math import update
+from .storage import BucketUpdate, Items, State, Storage, clipped
 
 __all__ = ["EvenShards"]
 
@@ -94,28 +94,19 @@ class EvenShards(Storage):
     def norm_squares(self, items: Items) -> list[torch.Tensor]:
         return [g.float().square().sum() for _, g in items]
 
-    def update(
-        self,
-        items: Items,
-        row: torch.Tensor | None,
-        scalars: torch.Tensor,
-        clip: torch.Tensor | None,
-        rules: list[Rule],
-        over_row: bool,
-        rank: torch.Tensor,
-    ) -> None:
+    def update(self, step: BucketUpdate) -> None:
         """Each rank updates its slices; the bucket's slices are broadcast from every rank."""
         new_values = []
-        for (i, g), s, rule in zip(items, scalars.unbind(0), rules):
+        for (i, g), s, rule in zip(step.items, step.scalars.unbind(0), step.rules):
             p = self._own_slice(i, self.params[i].detach())
             state = self.state[i]
-            new, new_state = update(p, clipped(g, p.dtype, clip), state, s, rule)
+            new, new_state = update(p, clipped(g, p.dtype, step.clip), state, s, rule)
             for k, t in state.items():
                 t.copy_(new_state[k])
             new_values.append(new.reshape(-1))
         rows = broadcast_rows(torch.cat(new_values), self.group, self.world_size)
         offset = 0
-        for (i, _), new in zip(items, new_values):
+        for (i, _), new in zip(step.items, new_values):
             p = self.params[i]
             p.copy_(rows[:, offset : offset + new.numel()].reshape(-1)[: p.numel()].view_as(p))
             offset += new.numel()

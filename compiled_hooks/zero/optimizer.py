@@ -34,7 +34,7 @@ from .optim_math import (
     table_row,
 )
 from .param_groups import Group, checked_params, groups_state
-from .storage import Storage
+from .storage import BucketUpdate, Storage
 from .whole_parameters import WholeParameters
 
 __all__ = ["ZeroOptimizer"]
@@ -309,7 +309,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scalars = step_scalars(self._table.index_select(0, groups), steps, bias_terms=not sgd)
         key = tuple(i for i, _ in items)
         rules = [self._rules[self._group_of[i]] for i in key]
-        self.storage.update(items, row, scalars, clip, rules, key in self._row_buckets, rank)
+        over_row = key in self._row_buckets
+        self.storage.update(BucketUpdate(items, row, scalars, clip, rules, over_row, rank))
 
     def _own_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Parameter ``i``'s averaged gradient as :meth:`update_bucket` takes it (with

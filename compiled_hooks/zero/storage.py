@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,22 @@ import torch.distributed as dist
 from ..ops import group_rank
 from .optim_math import Rule
 
-__all__ = ["Items", "State", "Storage", "clipped"]
+__all__ = ["BucketUpdate", "Items", "State", "Storage", "clipped"]
 
 Items = list[tuple[int, torch.Tensor]]  # (parameter index, gradient or value)
 State = dict[str, torch.Tensor]
+
+
+class BucketUpdate(NamedTuple):
+    """One bucket's step, as :meth:`Storage.update` takes it."""
+
+    items: Items  # (parameter index, averaged gradient), the bucket's members
+    row: torch.Tensor | None  # this rank's row of the bucket, where plan_buckets laid it out
+    scalars: torch.Tensor  # the step's scalars, one row per member (optim_math.step_scalars)
+    clip: torch.Tensor | None  # the gradients' clipping coefficient, if any
+    rules: list[Rule]  # each member's update rule
+    over_row: bool  # the members' rules allow the update over this rank's row alone
+    rank: torch.Tensor  # this rank's index (Storage.rank_tensor)
 
 
 def clipped(g: torch.Tensor, dtype: torch.dtype, clip: torch.Tensor | None) -> torch.Tensor:
@@ -107,20 +119,9 @@ class Storage(ABC):
         """This rank's share of the squared norm of the averaged gradients ``items``."""
 
     @abstractmethod
-    def update(
-        self,
-        items: Items,
-        row: torch.Tensor | None,
-        scalars: torch.Tensor,
-        clip: torch.Tensor | None,
-        rules: list[Rule],
-        over_row: bool,
-        rank: torch.Tensor,
-    ) -> None:
-        """Apply the update to the bucket ``items`` and leave every rank with the new values
-        (see :meth:`ZeroOptimizer.update_bucket <compiled_hooks.zero.ZeroOptimizer.update_bucket>`).
-        ``scalars``: one row per member; ``over_row``: the members' rules allow the update over
-        this rank's ``row`` alone; ``rank``: :meth:`rank_tensor`."""
+    def update(self, step: BucketUpdate) -> None:
+        """Apply ``step`` to its bucket and leave every rank with the new values (see
+        :meth:`ZeroOptimizer.update_bucket <compiled_hooks.zero.ZeroOptimizer.update_bucket>`)."""
 
     @abstractmethod
     def keeps(self, i: int) -> bool:

@@ -15,7 +15,7 @@ from .buckets import broadcast_rows, own_row, owner_major
 from .flat_shard import FlatShard
 from .layout import Piece, Run, assign_whole_parameters, lay_out_state
 from .optim_math import Rule, apply, direction_rule, update
-from .storage import Items, State, Storage, clipped
+from .storage import BucketUpdate, Items, State, Storage, clipped
 
 __all__ = ["WholeParameters"]
 
@@ -160,21 +160,13 @@ class WholeParameters(Storage):
             torch.where(rank.eq(self._owners[i]), g.float().square().sum(), 0.0) for i, g in items
         ]
 
-    def update(
-        self,
-        items: Items,
-        row: torch.Tensor | None,
-        scalars: torch.Tensor,
-        clip: torch.Tensor | None,
-        rules: list[Rule],
-        over_row: bool,
-        rank: torch.Tensor,
-    ) -> None:
+    def update(self, step: BucketUpdate) -> None:
         """Given ``row`` of a bucket :meth:`plan` laid out, ``over_row`` and one step count
         among the members: each rank computes the direction over its own row only, and every
         rank applies the broadcast rows to its parameters (:meth:`_update_row`). Otherwise
         every rank computes the update of every member, keeps the state of those it owns, and
         every rank's row of new values is broadcast from that rank."""
+        items, row, scalars, clip, rules, over_row, rank = step
         key = tuple(i for i, _ in items)
         self.note_stepped(key)
         if row is not None and over_row and key in self.runs and self.uniform_steps:

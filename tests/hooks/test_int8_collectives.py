@@ -1,16 +1,20 @@
-"""compiled_hooks.int8_collectives on gloo ranks: the reduce-scatter within the sum of the ranks'
+"""compiled_hooks.int8.collectives on gloo ranks: the reduce-scatter within the sum of the ranks'
 block bounds of the exact sum, the all-reduce the same on every rank bit for bit and within one
 more bound, non-finite values kept non-finite; and one traced graph (fake process group)."""
+
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from compiled_hooks.graph_contract import DEQUANTIZE_PACKED
-from compiled_hooks.int8_collectives import (
+from compiled_hooks.int8.codec import quantize
+from compiled_hooks.int8.collectives import (
     ATEN_DEQUANTIZE_MIN_BYTES,
-    int8_all_reduce,
-    int8_reduce_scatter,
+    all_gather_quantized,
+    reduce_scatter_quantized,
 )
 from passes._graph import ALL_GATHER, ALL_TO_ALL
 from passes.testing import trace
@@ -18,6 +22,28 @@ from tests.hooks.test_quantize import block_absmax, bound
 from tests.ranks import run_ranks
 
 BLOCK = 16
+
+
+def int8_reduce_scatter(x, world_size, group, block_size):
+    """This rank's shard (fp32, ``x.numel() // world_size`` elements) of the sum over the ranks
+    of ``x``, rank-major, through the library's quantized reduce-scatter."""
+    rows = x.reshape(world_size, -1)
+    q, scales = quantize(rows, block_size)
+    return reduce_scatter_quantized(q, scales, rows.shape[1], group)
+
+
+def int8_all_reduce(x, world_size, group, block_size, post=1.0):
+    """The sum over the ranks of ``x`` divided by ``post``, fp32 in ``x``'s shape: the
+    reduce-scatter, the shard quantized again and all-gathered (the hook's all-reduce form
+    without error feedback). ``x`` of any size: padded to whole shards."""
+    n = x.numel()
+    shard = math.ceil(n / world_size)
+    flat = F.pad(x.reshape(-1), (0, shard * world_size - n))
+    mine = int8_reduce_scatter(flat, world_size, group, block_size)
+    if post != 1.0:
+        mine = mine / post
+    q, scales = quantize(mine.unsqueeze(0), block_size)
+    return all_gather_quantized(q, scales, shard, group)[:n].view(x.shape)
 
 
 def local(rank, n, dtype=torch.float32):

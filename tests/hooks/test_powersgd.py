@@ -288,10 +288,10 @@ def test_training_quality_against_fp32_and_torch():
 def test_state_takes_every_value_torchs_takes(fake_pg):
     """torch's PowerSGDState accepts any number for min_compression_rate (0: compress every
     matrix, however small) and orthogonalization_epsilon; so does this one, with that meaning."""
-    from compiled_hooks.powersgd import _should_compress
+    from compiled_hooks.powersgd_state import should_compress
 
-    assert not _should_compress(torch.Size([4, 4]), 1, 2)[0]  # (4 + 4) * 1 * 2 = 16: not < 16
-    assert _should_compress(torch.Size([4, 4]), 1, 0)[0]
+    assert not should_compress(torch.Size([4, 4]), 1, 2)[0]  # (4 + 4) * 1 * 2 = 16: not < 16
+    assert should_compress(torch.Size([4, 4]), 1, 0)[0]
     state = PowerSGDState(
         fake_pg,
         start_powerSGD_iter=0,

@@ -1,4 +1,4 @@
-"""compiled_hooks.quantize: block-wise int8 round trips within absmax / 254 per element (round to
+"""compiled_hooks.int8.codec: block-wise int8 round trips within absmax / 254 per element (round to
 nearest), on random and adversarial blocks (all zeros, one outlier, inf and nan), blocks that
 never span two rows, and a trace without data-dependent control flow."""
 
@@ -7,7 +7,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from compiled_hooks import ops
-from compiled_hooks.quantize import (
+from compiled_hooks.int8.codec import (
     QMAX,
     check_block_size,
     dequantize,

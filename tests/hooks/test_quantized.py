@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import compiled_hooks as ch
-from compiled_hooks.int8_collectives import int8_all_reduce, int8_reduce_scatter
-from compiled_hooks.quantize import QMAX
+from compiled_hooks.int8.codec import QMAX
+from tests.hooks.test_int8_collectives import int8_all_reduce, int8_reduce_scatter
 from tests.ranks import run_ranks
 
 BLOCK = 16

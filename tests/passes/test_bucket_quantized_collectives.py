@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 import compiled_hooks as ch
-from compiled_hooks import int8_collectives
-from compiled_hooks.graph_contract import BLOCK, DEQUANTIZE_PACKED
-from compiled_hooks.quantize import pack, quantize, unpack
+from compiled_hooks.graph_contract import BLOCK, DEQUANTIZE_PACKED, INT8
+from compiled_hooks.int8 import collectives as int8_collectives
+from compiled_hooks.int8.codec import pack, quantize, unpack
 from passes import bucket_quantized_collectives
 from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT, block_of
 from passes.testing import fake_process_group, graph_str, trace
@@ -110,10 +110,11 @@ class TestBucketQuantizedCollectives(PassTestCase):
         fake_process_group(2)
 
         def fn(a, b):
-            received = [
-                fcol.all_to_all_single(pack(*quantize(x.view(2, -1), 8)), None, None, "0")
-                for x in (a, b)
-            ]
+            received = []
+            for x in (a, b):
+                packed = pack(*quantize(x.view(2, -1), 8))
+                with torch.fx.traceback.annotate({INT8: True}):
+                    received.append(fcol.all_to_all_single(packed, None, None, "0"))
             return [unpack(r, 8)[0].sum() for r in received]
 
         gm = trace(fn, torch.randn(16), torch.randn(16), world_size=None)
@@ -168,6 +169,43 @@ class TestBucketQuantizedCollectives(PassTestCase):
         text = graph_str(gm)
         self.assertFalse(bucket_quantized_collectives(gm.graph))
         self.assertEqual(graph_str(gm), text)
+
+    def test_int8_collectives_without_the_mark_are_not_members(self):
+        """Where the int8 path's collectives carry ``INT8``, an int8 all-to-all without it (of
+        someone else's code, the same shape) is not taken for one of them."""
+        fake_process_group(2)
+        state = ch.QuantizedState(dist.group.WORLD, block_size=8, error_feedback=False)
+
+        def fn(a, b, c):
+            ch.int8_compress_hook(state, c)
+            received = [
+                fcol.all_to_all_single(pack(*quantize(x.view(2, -1), 8)), None, None, "0")
+                for x in (a, b)
+            ]
+            return [unpack(r, 8)[0].sum() for r in received]
+
+        gm = trace(fn, torch.randn(16), torch.randn(16), torch.randn(16), world_size=None)
+        unmarked = [n for n in collectives(gm) if INT8 not in n.meta.get("custom", {})]
+        self.assertEqual(len(unmarked), 2)
+        text = graph_str(gm)
+        self.assertFalse(bucket_quantized_collectives(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_a_graph_without_marks_is_bucketed_by_its_int8_inputs(self):
+        """Compiled autograd drops ``annotate``'s marks from the backward it compiles: in a
+        graph where no collective is marked, the int8 input is what tells them."""
+        gm = hook_graph()
+        for n in gm.graph.nodes:
+            n.meta.pop("custom", None)
+        before = copy_graph(gm.graph)
+        self.assertTrue(bucket_quantized_collectives(gm.graph))
+        self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL, ALL_GATHER])
+        self.assertTrue(check_rewrite("test", before, gm.graph))
+
+    def test_the_hooks_collectives_carry_the_mark(self):
+        gm = hook_graph()
+        marked = [n for n in collectives(gm) if n.meta.get("custom", {}).get(INT8)]
+        self.assertEqual(len(marked), 6)
 
     def test_one_bucket_per_data_parallel_block(self):
         """data_parallel's int8 collectives are bucketed within their block, never across."""

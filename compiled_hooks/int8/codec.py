@@ -144,23 +144,30 @@ def packed_blocks(width: int, block_size: int) -> int:
 # such a view only where the last stride is 1, which it does not promise for a dimension of
 # size 1 (torch 2.11 refuses a [1, 1] scale); a same-size view (fp32 <-> int32) is a bitcast in
 # any layout.
-_BYTE_SHIFTS = (0, 8, 16, 24)
+_BYTE_SHIFTS = tuple(8 * i for i in range(SCALE_BYTES))  # least significant byte first
+_BYTE_WEIGHTS = tuple(1 << s for s in _BYTE_SHIFTS)  # what each byte is worth in the int32
+_BYTE_MASK = 0xFF
+_BYTE_VALUES = 1 << 8  # an unsigned byte's values; the int8 of the same bits is v - 256 above 127
+_INT8_MAX = _BYTE_VALUES // 2 - 1
 
 
 def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[..., blocks]`` -> int8 ``[..., blocks, 4]``: each scale's bytes, least
-    significant first."""
+    """fp32 ``[..., blocks]`` -> int8 ``[..., blocks, SCALE_BYTES]``: each scale's bytes,
+    least significant first."""
     bits = scales.view(torch.int32)
-    parts = torch.stack([(bits >> s) & 0xFF for s in _BYTE_SHIFTS], dim=-1)
-    return torch.where(parts > 127, parts - 256, parts).to(torch.int8)
+    parts = torch.stack([(bits >> s) & _BYTE_MASK for s in _BYTE_SHIFTS], dim=-1)
+    return torch.where(parts > _INT8_MAX, parts - _BYTE_VALUES, parts).to(torch.int8)
 
 
 def _scales_of(scale_bytes: torch.Tensor) -> torch.Tensor:
-    """:func:`_scale_bytes` back: int8 ``[..., 4]`` -> fp32 ``[...]``. The top byte keeps its
-    sign, so the sum is the int32 bit pattern exactly, with no overflow."""
+    """:func:`_scale_bytes` back: int8 ``[..., SCALE_BYTES]`` -> fp32 ``[...]``. The top byte
+    keeps its sign, so the sum is the int32 bit pattern exactly, with no overflow."""
     b = scale_bytes.to(torch.int32)
-    low = (b[..., 0] & 0xFF) + (b[..., 1] & 0xFF) * 256 + (b[..., 2] & 0xFF) * 65536
-    return (low + b[..., 3] * 16777216).view(torch.float32)
+    w = _BYTE_WEIGHTS
+    low = (
+        (b[..., 0] & _BYTE_MASK) + (b[..., 1] & _BYTE_MASK) * w[1] + (b[..., 2] & _BYTE_MASK) * w[2]
+    )
+    return (low + b[..., 3] * w[3]).view(torch.float32)
 
 
 def dequantize_packed(packed: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The state of the int8 hook (:func:`compiled_hooks.quantized.int8_compress_hook`).
+"""The state of the int8 hook (:func:`compiled_hooks.int8.hook.int8_compress_hook`).
 
 Error feedback keeps, per parameter, what quantization dropped, and adds it to the next step's
 gradient. Two residuals per parameter (*parts*):
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .in_order import InOrder
-from .quantize import BLOCK_SIZE, check_block_size
-from .state import DefaultState
+from .. import ops
+from ..in_order import InOrder
+from ..state import DefaultState
+from .codec import BLOCK_SIZE, check_block_size
 
 __all__ = ["QuantizedState", "WORKER", "SHARD"]
 
@@ -36,7 +36,7 @@ WORKER, SHARD = 0, 1
 
 
 class QuantizedState(DefaultState):
-    """State of :func:`~compiled_hooks.quantized.int8_compress_hook`.
+    """State of :func:`~compiled_hooks.int8.hook.int8_compress_hook`.
 
     Args:
         process_group: the group to average over.
@@ -58,8 +58,8 @@ class QuantizedState(DefaultState):
         "_errors",
         "_order",
         "_pending",
-        "_in_order",
-        "_id",
+        "in_order",
+        "state_id",
         "__weakref__",
     ]
 
@@ -85,17 +85,18 @@ class QuantizedState(DefaultState):
         self._errors: dict[tuple[str, int], torch.Tensor] = {}  # (key, part) -> residual
         self._order: list[str] = []  # the "id:" keys, in first-call order (for checkpoints)
         self._pending: dict[int, dict[int, torch.Tensor]] = {}  # loaded, for the i-th "id:" key
-        self._in_order = InOrder()  # the C++ reducer's form issues its collectives through it
-        self._id = ops.register_state(self)
+        # the hook's interface to this state (with read_error and keep_error below):
+        self.in_order = InOrder()  # the C++ reducer's form issues its collectives through it
+        self.state_id = ops.register_state(self)  # how a compiled graph names this state
 
     @staticmethod
     def key(param: object) -> str:
         """The key of ``param``: a name as it is, anything else by its ``id``."""
         return param if isinstance(param, str) else f"id:{id(param)}"
 
-    # -- run when the hook runs (through ops when traced) ----------------------------------
+    # -- the hook's interface, run when the hook runs (through ops when traced) -------------
 
-    def _error(self, key: str, part: int, like: torch.Tensor, hook: str) -> torch.Tensor:
+    def read_error(self, key: str, part: int, like: torch.Tensor, hook: str) -> torch.Tensor:
         """A copy of the residual, zeros before the first; ``ValueError`` if the ``WORKER``
         read finds a gradient of another shape than the key's earlier ones."""
         if part == WORKER:
@@ -114,7 +115,7 @@ class QuantizedState(DefaultState):
             return torch.zeros_like(like)
         return kept.to(like.device, like.dtype, copy=True)
 
-    def _keep_error(self, key: str, part: int, residual: torch.Tensor) -> None:
+    def keep_error(self, key: str, part: int, residual: torch.Tensor) -> None:
         kept = self._errors.get((key, part))
         if kept is None or kept.shape != residual.shape:
             self._errors[(key, part)] = residual.detach().clone()

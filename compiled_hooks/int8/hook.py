@@ -1,6 +1,6 @@
 """int8 gradient communication (ZeRO++'s qgZ), compile-native: ``int8_compress_hook``.
 
-Each rank quantizes its gradient block-wise to int8 (fp32 scales, :mod:`.quantize`), the
+Each rank quantizes its gradient block-wise to int8 (fp32 scales, :mod:`.codec`), the
 ranks exchange their rows with one all-to-all, and each sums what it received in fp32 and
 divides by the world size: that is the reduce-scatter form (``output`` given). The all-reduce
 form then quantizes the averaged shard again and all-gathers it; every rank dequantizes the
@@ -17,11 +17,11 @@ same bytes, so every rank ends with the same gradient, bit for bit::
 On the wire: 1 byte a value plus 4 bytes a block (``block_size`` values), about 0.27x of fp32
 and 0.53x of bf16 at the default 256; the all-reduce form sends that twice, as a
 reduce-scatter and an all-gather do. Error per element, without feedback: at most
-``absmax / 254`` of its block per quantization (:mod:`.quantize`); the sum is exact in fp32
+``absmax / 254`` of its block per quantization (:mod:`.codec`); the sum is exact in fp32
 up to rounding. Non-finite values stay non-finite. The result is written in ``grad``'s
 (``output``'s) dtype.
 
-Error feedback (the default, :class:`~compiled_hooks.quantized_state.QuantizedState`) keeps
+Error feedback (the default, :class:`~compiled_hooks.int8.state.QuantizedState`) keeps
 both residuals per parameter and adds them to the next step's values, so what one step's
 rounding drops is sent in a later step instead of lost.
 
@@ -39,15 +39,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import compat, ops, validation
-from .int8_collectives import (
+from .. import compat, ops, validation
+from .codec import dequantize, from_blocks, pack, quantize, to_blocks
+from .collectives import (
     all_gather_quantized,
     gathered_values,
     reduce_scatter_quantized,
     sum_received,
 )
-from .quantize import dequantize, from_blocks, pack, quantize, to_blocks
-from .quantized_state import SHARD, WORKER, QuantizedState
+from .state import SHARD, WORKER, QuantizedState
 
 __all__ = ["QuantizedState", "int8_compress_hook", "reduce_bucket_async"]
 
@@ -79,8 +79,8 @@ def _key(state: QuantizedState, param: object) -> str | None:
 
 def _read(state: QuantizedState, key: str, part: int, like: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # read when the graph runs
-        return ops.quantized_error(like, state._id, key, part)
-    return state._error(key, part, like, NAME)
+        return ops.quantized_error(like, state.state_id, key, part)
+    return state.read_error(key, part, like, NAME)
 
 
 def _residual(x: torch.Tensor, sent: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
@@ -93,11 +93,11 @@ def _keep(
     state: QuantizedState, key: str, part: int, residual: torch.Tensor, row: int, shape: torch.Size
 ) -> None:
     """Keep ``residual``, in the block layout of rows of ``row`` elements, as the error of
-    ``(key, part)``, in ``shape`` (:func:`~compiled_hooks.quantize.from_blocks`)."""
+    ``(key, part)``, in ``shape`` (:func:`~compiled_hooks.int8.codec.from_blocks`)."""
     if torch.compiler.is_compiling():
-        ops.quantized_keep_error(residual, state._id, key, part, row, list(shape))
+        ops.quantized_keep_error(residual, state.state_id, key, part, row, list(shape))
     else:
-        state._keep_error(key, part, from_blocks(residual, row, shape))
+        state.keep_error(key, part, from_blocks(residual, row, shape))
 
 
 def _quantize_keeping(
@@ -193,7 +193,7 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
         spans = [_span(buffer, g) for g in grads]
         folded = torch.zeros_like(x)
         for k, g, (start, end) in zip(keys, grads, spans):
-            folded[start:end] = state._error(k, WORKER, g.float(), NAME).reshape(-1)  # type: ignore[arg-type]
+            folded[start:end] = state.read_error(k, WORKER, g.float(), NAME).reshape(-1)  # type: ignore[arg-type]
         x = x + folded
     rows = _rows(state, x)
     world, shard, group = state.world_size, rows.shape[1], state.process_group
@@ -201,9 +201,9 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
     if folded is not None:
         residual = _residual(x, dequantize(q, scales, shard).reshape(-1)[: x.numel()], folded)
         for k, g, (start, end) in zip(keys, grads, spans):
-            state._keep_error(k, WORKER, residual[start:end].view(g.shape))  # type: ignore[arg-type]
+            state.keep_error(k, WORKER, residual[start:end].view(g.shape))  # type: ignore[arg-type]
     bucket_key = f"bucket:{bucket.index()}" if state.error_feedback else None
-    order, bs = state._in_order, state.block_size
+    order, bs = state.in_order, state.block_size
     exchange, gather = order.reserve(), order.reserve()
     packed = pack(q, scales)
     received = torch.empty_like(packed)

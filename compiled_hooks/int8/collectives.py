@@ -2,7 +2,7 @@
 shape), written with functional collectives so ``torch.compile`` traces them whole.
 
 Reduce-scatter: each rank quantizes its tensor, one row per destination rank
-(:func:`compiled_hooks.quantize.quantize`: int8 blocks and fp32 scales), exchanges the rows
+(:func:`compiled_hooks.int8.codec.quantize`: int8 blocks and fp32 scales), exchanges the rows
 with one all-to-all, and dequantizes and sums what it received in fp32, in rank order::
 
     x_r            f32[N * s]       on rank r (N ranks, s elements a shard)
@@ -10,7 +10,7 @@ with one all-to-all, and dequantizes and sums what it received in fp32, in rank 
     recv           = all_to_all(pack(q_r, scales_r))   row j: rank j's row for this rank
     shard          = sum_j dequantize(unpack(recv[j]))  f32[s], in j = 0 .. N-1 order
 
-Each row travels as one int8 buffer (:func:`~compiled_hooks.quantize.pack`): its scales'
+Each row travels as one int8 buffer (:func:`~compiled_hooks.int8.codec.pack`): its scales'
 bytes, then its payload. One collective per exchange instead of two (the payload's and the
 scales'); and every collective of these functions carries int8, which is how the passes tell
 them from the others.
@@ -19,7 +19,7 @@ All-reduce: the reduce-scatter, then this rank's shard quantized again and all-g
 every shard dequantized. Every rank dequantizes the same gathered bytes, its own shard
 included, so every rank ends with the same values, bit for bit.
 
-Error per element (``B(t)`` = the absmax of ``t``'s block over 254, see :mod:`.quantize`):
+Error per element (``B(t)`` = the absmax of ``t``'s block over 254, see :mod:`.codec`):
 the reduce-scatter's shard is within ``sum_j B(x_j)`` of the exact sum; the all-reduce adds
 ``B(shard)``. Non-finite values stay non-finite. The sum is taken in fp32 whatever the input's
 dtype; the result is fp32.
@@ -27,23 +27,20 @@ dtype; the result is fp32.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as fcol
-import torch.nn.functional as F
 
-from . import compat, ops
-from .quantize import dequantize_packed, from_blocks, pack, quantize
+from .. import compat, ops
+from ..graph_contract import INT8
+from .codec import dequantize_packed, from_blocks, pack
 
 __all__ = [
     "ATEN_DEQUANTIZE_MIN_BYTES",
     "dequantize_received",
     "sum_received",
     "gathered_values",
-    "int8_reduce_scatter",
-    "int8_all_reduce",
     "reduce_scatter_quantized",
     "all_gather_quantized",
 ]
@@ -57,17 +54,27 @@ def reduce_scatter_quantized(
     q: torch.Tensor, scales: torch.Tensor, n: int, group: Any
 ) -> torch.Tensor:
     """The fp32 sum over the ranks of their row for this rank, from each rank's quantized rows
-    (:func:`~compiled_hooks.quantize.quantize` of ``[world_size, n]``): one all-to-all of the
+    (:func:`~compiled_hooks.int8.codec.quantize` of ``[world_size, n]``): one all-to-all of the
     packed rows, then dequantize and sum in rank order."""
-    received = fcol.all_to_all_single(pack(q, scales), None, None, group)
+    packed = pack(q, scales)
+    with _marked():
+        received = fcol.all_to_all_single(packed, None, None, group)
     return sum_received(received, q.shape[2], n)
 
 
 def all_gather_quantized(q: torch.Tensor, scales: torch.Tensor, n: int, group: Any) -> torch.Tensor:
     """Every rank's quantized shard (one row of ``n`` elements), gathered and dequantized: fp32
     ``[world_size * n]``, rank-major, the same on every rank bit for bit."""
-    gathered = compat.all_gather_single(pack(q, scales), 0, group)
+    packed = pack(q, scales)
+    with _marked():
+        gathered = compat.all_gather_single(packed, 0, group)
     return gathered_values(gathered, q.shape[2], n)
+
+
+def _marked() -> Any:
+    """Mark the collective traced inside as one of packed int8 rows (``graph_contract.INT8``):
+    what the passes find it by."""
+    return torch.fx.traceback.annotate({INT8: True})
 
 
 def sum_received(received: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
@@ -86,7 +93,7 @@ def gathered_values(gathered: torch.Tensor, block_size: int, n: int) -> torch.Te
 
 
 def dequantize_received(packed: torch.Tensor, block_size: int) -> torch.Tensor:
-    """:func:`~compiled_hooks.quantize.dequantize_packed` of a collective's received rows (any
+    """:func:`~compiled_hooks.int8.codec.dequantize_packed` of a collective's received rows (any
     strides). On CPU, from :data:`ATEN_DEQUANTIZE_MIN_BYTES` up, by the op that computes it
     with ATen: Inductor's CPU loop loads int8 through a temporary buffer (a fill and a copy per
     vector), which ATen's conversion does not, and the op's output is a buffer, so its views
@@ -95,29 +102,3 @@ def dequantize_received(packed: torch.Tensor, block_size: int) -> torch.Tensor:
     if packed.device.type == "cpu" and packed.numel() >= ATEN_DEQUANTIZE_MIN_BYTES:
         return ops.dequantize_packed(packed, block_size)
     return dequantize_packed(packed, block_size)
-
-
-def int8_reduce_scatter(
-    x: torch.Tensor, world_size: int, group: Any, block_size: int
-) -> torch.Tensor:
-    """This rank's shard (fp32, ``x.numel() // world_size`` elements) of the sum over the ranks
-    of ``x``, rank-major: rank ``r`` gets elements ``[r * s, (r + 1) * s)``. ``x.numel()`` must
-    be a multiple of ``world_size`` (the caller checks)."""
-    rows = x.reshape(world_size, -1)
-    q, scales = quantize(rows, block_size)
-    return reduce_scatter_quantized(q, scales, rows.shape[1], group)
-
-
-def int8_all_reduce(
-    x: torch.Tensor, world_size: int, group: Any, block_size: int, post: float = 1.0
-) -> torch.Tensor:
-    """The sum over the ranks of ``x``, divided by ``post``, in fp32 with ``x``'s shape; the same
-    on every rank, bit for bit. ``x`` of any size: it is padded to whole shards."""
-    n = x.numel()
-    shard = math.ceil(n / world_size)
-    flat = F.pad(x.reshape(-1), (0, shard * world_size - n))
-    mine = int8_reduce_scatter(flat, world_size, group, block_size)
-    if post != 1.0:
-        mine = mine / post
-    q, scales = quantize(mine.unsqueeze(0), block_size)
-    return all_gather_quantized(q, scales, shard, group)[:n].view(x.shape)
