@@ -116,6 +116,7 @@ class QuantizedState(DefaultState):
         return kept.to(like.device, like.dtype, copy=True)
 
     def keep_error(self, key: str, part: int, residual: torch.Tensor) -> None:
+        """Keep ``residual`` (copied) as the error of ``(key, part)``."""
         kept = self._errors.get((key, part))
         if kept is None or kept.shape != residual.shape:
             self._errors[(key, part)] = residual.detach().clone()
