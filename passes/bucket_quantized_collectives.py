@@ -32,7 +32,7 @@ bucket is left alone.
 
 Members: ``all_to_all_single`` with even splits (the same row count to and from every rank)
 and ``all_gather_into_tensor`` of a 2-D int8 input, marked as the int8 collectives mark them
-(``graph_contract.INT8``), with one user, its wait.
+(``graph_contract.INT8``; in a graph with no mark, unmarked), with one user, its wait.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ with one all-to-all, and dequantizes and sums what it received in fp32, in rank 
 
 Each row travels as one int8 buffer (:func:`~compiled_hooks.int8.codec.pack`): its scales'
 bytes, then its payload. One collective per exchange instead of two (the payload's and the
-scales'); and every collective of these functions carries int8, which is how the passes tell
-them from the others.
+scales'). Every collective of these functions carries int8 and is traced under the mark
+``graph_contract.INT8``, which is how the passes tell them from the others.
 
 All-reduce: the reduce-scatter, then this rank's shard quantized again and all-gathered, and
 every shard dequantized. Every rank dequantizes the same gathered bytes, its own shard
@@ -27,6 +27,7 @@ dtype; the result is fp32.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -71,7 +72,7 @@ def all_gather_quantized(q: torch.Tensor, scales: torch.Tensor, n: int, group: A
     return gathered_values(gathered, q.shape[2], n)
 
 
-def _marked() -> Any:
+def _marked() -> contextlib.AbstractContextManager[None]:
     """Mark the collective traced inside as one of packed int8 rows (``graph_contract.INT8``):
     what the passes find it by."""
     return torch.fx.traceback.annotate({INT8: True})
