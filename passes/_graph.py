@@ -84,8 +84,10 @@ def foreign(node: Node) -> bool:
     if getattr(node.target, "namespace", None) != "_c10d_functional":
         return False
     groups = _foreign_groups(node.graph)
+    if not groups:
+        return False
     source = node.args[0] if node.target is WAIT and node.args else node
-    return bool(groups) and isinstance(source, Node) and _group(source) in groups
+    return isinstance(source, Node) and _group(source) in groups
 
 
 def _group(collective: Node) -> Any:
@@ -99,7 +101,8 @@ def _foreign_groups(graph: Graph) -> frozenset:
     """The groups of :func:`foreign` collectives, found the first time a pass sees ``graph``
     (:func:`check_graph`), while data_parallel's marks are all there (a pass that replaces a
     collective need not keep its mark)."""
-    if graph not in _FOREIGN:
+    groups = _FOREIGN.get(graph)
+    if groups is None:
         collectives = [
             n
             for n in graph.nodes
@@ -109,8 +112,8 @@ def _foreign_groups(graph: Graph) -> frozenset:
         ]
         ours = {_group(n) for n in collectives if block_of(n) is not None}
         theirs = {_group(n) for n in collectives} - ours if ours else set()
-        _FOREIGN[graph] = frozenset(theirs)
-    return _FOREIGN[graph]
+        groups = _FOREIGN[graph] = frozenset(theirs)
+    return groups
 
 
 def val(node: object) -> Any:
@@ -261,13 +264,14 @@ _INT8_MARKED: weakref.WeakKeyDictionary[Graph, bool] = weakref.WeakKeyDictionary
 def _int8_marked(graph: Graph) -> bool:
     """Whether some collective of ``graph`` carries the :data:`INT8` mark, found the first time
     a pass sees ``graph`` (:func:`check_graph`), as :func:`_foreign_groups` is."""
-    if graph not in _INT8_MARKED:
-        _INT8_MARKED[graph] = any(
+    marked = _INT8_MARKED.get(graph)
+    if marked is None:
+        marked = _INT8_MARKED[graph] = any(
             n.meta.get("custom", {}).get(INT8)
             for n in graph.nodes
             if getattr(n.target, "namespace", None) == "_c10d_functional"
         )
-    return _INT8_MARKED[graph]
+    return marked
 
 
 def block_of(node: Node) -> str | None:

@@ -150,6 +150,10 @@ def bucket_block_reduce_scatters(graph: Graph) -> bool:
     """Merge each ``data_parallel`` block's reduce-scatters (see the module docstring); True when
     the graph changed."""
     check_graph(PASS, graph)
+    # a replica all-reduce is merged only as a marked reduce-scatter's follower
+    marked = graph.find_nodes(op="call_function", target=REDUCE_SCATTER, sort=False)
+    if all(block_of(n) is None for n in marked):
+        return False
     found = chains(graph, PASS)
     groups: dict[tuple, list[Chain]] = {}
     for chain in found:

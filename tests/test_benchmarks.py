@@ -35,6 +35,7 @@ SMOKE = {
     "gloo_collectives": ["--sizes-mb", "1", "--reps", "2", "--chunk-kib", "256"],
     "pass_time": ["--calls", "20", "40", "--repeat", "1"],
     "powersgd": None,
+    "projection": ["--params", "1e9", "--send-ns", "0.02", "--receive-ns", "0.01"],
     "quantize_cost": ["--numel", "4096", "--reps", "2", "--device", "cpu"],
     "rank_guard": ["--steps", "2"],
     "reducer_hooks": None,
