@@ -9,7 +9,9 @@ with a fake process group (no processes). For each size: the node count, every p
 ``default_pipeline()`` order and the pipeline's total, as ``Pipeline.run`` reports them in
 ``counters["passes"]`` (the total includes its sort and lint; medians of ``--repeat`` fresh
 copies, each run after a full garbage collection), and between the smallest and the largest
-graph the growth exponent ``log(t2/t1) / log(n2/n1)`` (1.0 is linear).
+graph the growth exponent ``log(t2/t1) / log(n2/n1)`` (1.0 is linear). Beside them, the
+reference a pass cannot beat: one walk over the same graph's nodes (:func:`walk`), whose
+exponent shows what the machine's caches make of a linear visit at these sizes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 from torch._dynamo.utils import counters
@@ -42,16 +45,29 @@ def ddp_backward(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return grads
 
 
+WALK = "(a walk over every node)"
+
+
+def walk(graph: torch.fx.Graph) -> None:
+    """What any pass does at least: visit every node and read its target, users and value."""
+    for node in graph.nodes:
+        node.meta.get("val")
+        _ = node.target, len(node.users)
+
+
 def measure(calls: int, world_size: int, repeat: int) -> tuple[int, dict[str, float]]:
     fake_process_group(world_size)
     gm = trace(ddp_backward, *(torch.randn(64) for _ in range(calls)), world_size=world_size)
     pipeline = passes.default_pipeline()
     names = [p.__name__ for p in pipeline.passes] + ["pipeline"]
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in [*names, WALK]}
     for _ in range(repeat):
         graph = copy_graph(gm.graph)
         counters["passes"].clear()
         gc.collect()  # an earlier copy's garbage is not collected inside this run
+        start = time.perf_counter()
+        walk(graph)
+        times[WALK].append(time.perf_counter() - start)
         pipeline.run(graph)
         for name in names:
             times[name].append(counters["passes"][f"{name}: us"] / 1e6)
