@@ -83,7 +83,7 @@ def foreign(node: Node) -> bool:
     collectives. No pass matches these; to the passes they are nodes with side effects."""
     if getattr(node.target, "namespace", None) != "_c10d_functional":
         return False
-    groups = _foreign_groups(node.graph)
+    groups = _marks(node.graph).foreign
     if not groups:
         return False
     source = node.args[0] if node.target is WAIT and node.args else node
@@ -94,15 +94,22 @@ def _group(collective: Node) -> Any:
     return collective.args[-1] if collective.args else None
 
 
-_FOREIGN: weakref.WeakKeyDictionary[Graph, frozenset] = weakref.WeakKeyDictionary()
+@dataclasses.dataclass(frozen=True)
+class _Marks:
+    """What a graph's collectives are marked with, read the first time a pass sees the graph
+    (:func:`check_graph`), while every mark is there (a pass that replaces a collective need not
+    keep its mark)."""
+
+    foreign: frozenset  # the groups of foreign() collectives
+    int8: bool  # some collective carries INT8
 
 
-def _foreign_groups(graph: Graph) -> frozenset:
-    """The groups of :func:`foreign` collectives, found the first time a pass sees ``graph``
-    (:func:`check_graph`), while data_parallel's marks are all there (a pass that replaces a
-    collective need not keep its mark)."""
-    groups = _FOREIGN.get(graph)
-    if groups is None:
+_MARKS: weakref.WeakKeyDictionary[Graph, _Marks] = weakref.WeakKeyDictionary()
+
+
+def _marks(graph: Graph) -> _Marks:
+    marks = _MARKS.get(graph)
+    if marks is None:
         collectives = [
             n
             for n in graph.nodes
@@ -112,8 +119,9 @@ def _foreign_groups(graph: Graph) -> frozenset:
         ]
         ours = {_group(n) for n in collectives if block_of(n) is not None}
         theirs = {_group(n) for n in collectives} - ours if ours else set()
-        groups = _FOREIGN[graph] = frozenset(theirs)
-    return groups
+        int8 = any(n.meta.get("custom", {}).get(INT8) for n in collectives)
+        marks = _MARKS[graph] = _Marks(frozenset(theirs), int8)
+    return marks
 
 
 def val(node: object) -> Any:
@@ -255,23 +263,7 @@ def is_quantized(collective: Node) -> bool:
     value = source.meta.get("val") if isinstance(source, Node) else None
     if not (isinstance(value, torch.Tensor) and value.dtype == torch.int8):
         return False
-    return bool(collective.meta.get("custom", {}).get(INT8)) or not _int8_marked(collective.graph)
-
-
-_INT8_MARKED: weakref.WeakKeyDictionary[Graph, bool] = weakref.WeakKeyDictionary()
-
-
-def _int8_marked(graph: Graph) -> bool:
-    """Whether some collective of ``graph`` carries the :data:`INT8` mark, found the first time
-    a pass sees ``graph`` (:func:`check_graph`), as :func:`_foreign_groups` is."""
-    marked = _INT8_MARKED.get(graph)
-    if marked is None:
-        marked = _INT8_MARKED[graph] = any(
-            n.meta.get("custom", {}).get(INT8)
-            for n in graph.nodes
-            if getattr(n.target, "namespace", None) == "_c10d_functional"
-        )
-    return marked
+    return bool(collective.meta.get("custom", {}).get(INT8)) or not _marks(collective.graph).int8
 
 
 def block_of(node: Node) -> str | None:
@@ -285,8 +277,7 @@ def check_graph(pass_name: str, graph: Any) -> None:
         raise TypeError(f"{pass_name}: expected a torch.fx.Graph, got a GraphModule; pass gm.graph")
     if not isinstance(graph, Graph):
         raise TypeError(f"{pass_name}: expected a torch.fx.Graph, got {type(graph).__name__}")
-    _foreign_groups(graph)
-    _int8_marked(graph)
+    _marks(graph)
 
 
 def chains(graph: Graph, pass_name: str) -> list[Chain]:
