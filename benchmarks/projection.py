@@ -36,7 +36,10 @@ import dataclasses
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from launch import link_bytes_per_s, link_rate
+
 from compiled_hooks.int8.codec import BLOCK_SIZE, SCALE_BYTES
 
 BF16_BYTES = 2
@@ -113,26 +116,13 @@ def break_even_link(
     return saved / (codec_ns * 1e-9)
 
 
-_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-
-
-def link_bytes_per_s(rate: str) -> float:
-    """``"100gbit"`` -> bytes per second."""
-    text = rate.strip().lower()
-    for unit, scale in _UNITS.items():
-        if text.endswith(unit):
-            try:
-                return float(text[: -len(unit)]) * scale / 8
-            except ValueError:
-                break
-    raise ValueError(f"projection: link rate {rate!r}: expected a number then kbit, mbit or gbit")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, required=True, help="the model's parameters")
     parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--link", default="100gbit", help="each rank's link, e.g. 500mbit")
+    parser.add_argument(
+        "--link", type=link_rate, default="100gbit", help="each rank's link, e.g. 500mbit"
+    )
     parser.add_argument(
         "--send-ns", type=float, required=True, help="ns per value: quantize, error feedback"
     )
@@ -143,6 +133,7 @@ def main() -> None:
     parser.add_argument("--overlapped", action="store_true", help="codec hidden behind the wire")
     args = parser.parse_args()
     link = link_bytes_per_s(args.link)
+    assert link is not None, "link_rate accepts only rates"
     p = project(
         args.params,
         args.world_size,

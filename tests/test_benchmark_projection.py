@@ -1,13 +1,15 @@
 """benchmarks/projection.py: the model's arithmetic against hand-computed figures, the break-even
 link rate where serialized int8 and bf16 take the same time, and its refusals."""
 
+import argparse
 import math
 import sys
 
 import pytest
 
 sys.path.insert(0, "benchmarks")
-from projection import INT8_BYTES, break_even_link, link_bytes_per_s, project  # noqa: E402
+from launch import link_bytes_per_s, link_rate  # noqa: E402
+from projection import INT8_BYTES, break_even_link, project  # noqa: E402
 
 from compiled_hooks.int8.codec import BLOCK_SIZE, SCALE_BYTES  # noqa: E402
 
@@ -52,6 +54,6 @@ def test_refusals():
         project(-1, 2, 1e9, 1.0, 1.0, overlapped=False)
     with pytest.raises(ValueError, match="negative"):
         project(1e9, 2, 1e9, -1.0, 1.0, overlapped=False)
-    with pytest.raises(ValueError, match="link rate"):
-        link_bytes_per_s("fast")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a rate"):
+        link_rate("fast")
     assert link_bytes_per_s("2gbit") == 2e9 / 8
