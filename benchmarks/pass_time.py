@@ -1,17 +1,18 @@
 """How the passes' own time grows with the graph: traced DDP-shaped graphs of K compressed hook
 calls.
 
-    python benchmarks/pass_time.py [--calls 800 3300] [--world-size 8]
+    python benchmarks/pass_time.py [--calls 890 3670] [--world-size 8]
 
 Each graph is what a compiled DDP backward with ``bf16_compress_hook`` looks like to the passes
-(:func:`ddp_backward`: every gradient computed, then reduced by the hook), traced
-with a fake process group (no processes). For each size: the node count, every pass's time in
+(:func:`ddp_backward`: every gradient computed, then reduced by the hook), traced with a fake
+process group (no processes). For each size: the node count, every pass's time in
 ``default_pipeline()`` order and the pipeline's total, as ``Pipeline.run`` reports them in
 ``counters["passes"]`` (the total includes its sort and lint; medians of ``--repeat`` fresh
-copies, each run after a full garbage collection), and between the smallest and the largest
-graph the growth exponent ``log(t2/t1) / log(n2/n1)`` (1.0 is linear). Beside them, the
-reference a pass cannot beat: one walk over the same graph's nodes (:func:`walk`), whose
-exponent shows what the machine's caches make of a linear visit at these sizes.
+copies, each run after a full garbage collection, the sizes taking turns), and between the
+smallest and the largest graph the growth exponent ``log(t2/t1) / log(n2/n1)`` (1.0 is linear).
+Beside them, the reference a pass cannot beat: one walk over the same graph's nodes
+(:func:`walk`), whose exponent shows what the machine's caches make of a linear visit at these
+sizes.
 """
 
 from __future__ import annotations
@@ -55,23 +56,34 @@ def walk(graph: torch.fx.Graph) -> None:
         _ = node.target, len(node.users)
 
 
-def measure(calls: int, world_size: int, repeat: int) -> tuple[int, dict[str, float]]:
+def measure(
+    sizes: list[int], world_size: int, repeat: int
+) -> list[tuple[int, int, dict[str, float]]]:
+    """``(calls, nodes, median seconds per name)`` for each size in ``sizes``. The sizes take
+    turns within every repeat, so a drift of the machine's speed hits all of them alike."""
     fake_process_group(world_size)
-    gm = trace(ddp_backward, *(torch.randn(64) for _ in range(calls)), world_size=world_size)
     pipeline = passes.default_pipeline()
     names = [p.__name__ for p in pipeline.passes] + ["pipeline"]
-    times: dict[str, list[float]] = {name: [] for name in [*names, WALK]}
+    graphs = [
+        trace(ddp_backward, *(torch.randn(64) for _ in range(calls)), world_size=world_size).graph
+        for calls in sizes
+    ]
+    times = [{name: [] for name in [*names, WALK]} for _ in sizes]
     for _ in range(repeat):
-        graph = copy_graph(gm.graph)
-        counters["passes"].clear()
-        gc.collect()  # an earlier copy's garbage is not collected inside this run
-        start = time.perf_counter()
-        walk(graph)
-        times[WALK].append(time.perf_counter() - start)
-        pipeline.run(graph)
-        for name in names:
-            times[name].append(counters["passes"][f"{name}: us"] / 1e6)
-    return len(gm.graph.nodes), {name: statistics.median(ts) for name, ts in times.items()}
+        for gm_graph, t in zip(graphs, times):
+            graph = copy_graph(gm_graph)
+            counters["passes"].clear()
+            gc.collect()  # an earlier copy's garbage is not collected inside this run
+            start = time.perf_counter()
+            walk(graph)
+            t[WALK].append(time.perf_counter() - start)
+            pipeline.run(graph)
+            for name in names:
+                t[name].append(counters["passes"][f"{name}: us"] / 1e6)
+    return [
+        (calls, len(g.nodes), {name: statistics.median(ts) for name, ts in t.items()})
+        for calls, g, t in zip(sizes, graphs, times)
+    ]
 
 
 def main() -> None:
@@ -81,7 +93,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [(calls, *measure(calls, args.world_size, args.repeat)) for calls in args.calls]
+    rows = measure(args.calls, args.world_size, args.repeat)
     names = list(rows[0][2])
     print(
         f"pass time on traced DDP graphs with bf16_compress_hook (world {args.world_size}, median "

@@ -174,7 +174,7 @@ def cast_dtype(node: Node) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
-_CHAIN_TARGETS = frozenset(SCALE_OPS + VIEW_OPS)
+_CHAIN_TARGETS = SCALE_OPS + VIEW_OPS  # a tuple: an op's hash is a Python call, == is not
 
 
 def is_chain_op(node: Any) -> bool:
@@ -280,16 +280,19 @@ def check_graph(pass_name: str, graph: Any) -> None:
     _marks(graph)
 
 
+def calls(graph: Graph, ops: tuple) -> list[Node]:
+    """The nodes that call one of ``ops``, in graph order, but another parallelism's collectives
+    (:func:`foreign`): through the graph's index by target, not a walk of every node."""
+    found = [n for t in ops for n in graph.find_nodes(op="call_function", target=t, sort=False)]
+    return [n for n in sorted(found) if not foreign(n)]
+
+
 def chains(graph: Graph, pass_name: str) -> list[Chain]:
     """Every matched chain, in graph order of the collectives. Collectives without fake-tensor
     metadata (a graph not traced the way Inductor traces) are skipped and counted."""
     check_graph(pass_name, graph)
     out = []
-    # through the graph's index by target, not a walk of every node; sorted into graph order
-    found = [
-        n for t in COLLECTIVES for n in graph.find_nodes(op="call_function", target=t, sort=False)
-    ]
-    for node in sorted(found):
+    for node in calls(graph, COLLECTIVES):
         chain = match_chain(node)
         if chain is None:
             continue

@@ -72,10 +72,9 @@ def split_values(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | N
         return None
     base = torch.empty((0,), dtype=flat.dtype, device="meta")
     base.set_(flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
-    return [
-        mode.fake_tensor_converter.from_meta_and_device(mode, piece, flat.device)
-        for piece in torch.split_with_sizes(base, sizes)
-    ]
+    # FakeTensor itself, not the converter's from_meta_and_device: that also enters each meta
+    # piece in the converter's weak-keyed memo tables, and no one looks these pieces up again.
+    return [FakeTensor(mode, piece, flat.device) for piece in torch.split_with_sizes(base, sizes)]
 
 
 def split_node(graph: Graph, flat: Node, sizes: list[int], name: str) -> Node:

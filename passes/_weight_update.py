@@ -24,6 +24,7 @@ from ._graph import (
     WAIT,
     arg,
     aten,
+    calls,
     is_op,
     is_scale,
     match_chain,
@@ -112,7 +113,7 @@ def weight_update_matches(
     ``(node, own-slice chain or None, owner broadcasts or None, group size)`` per match, in
     graph order; a match on another backend is counted with ``why_not``'s reason. A rewrite
     made while iterating may erase only nodes before ``node``."""
-    for node in list(graph.nodes):
+    for node in calls(graph, (aten.index.Tensor, aten.cat.default)):
         own = own_slice(node)
         found = own or owner_broadcasts(node)
         if found is None:

@@ -40,7 +40,7 @@ from typing import cast
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, check_graph, is_op, record, val
+from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, calls, check_graph, is_op, record, val
 from ._groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
 from ._values import new_node
 from .interface import graph_pass
@@ -109,8 +109,8 @@ def all_gather_as_all_to_all(
     check_graph(PASS, graph)
     chunk_bytes = resolve_chunk_bytes(PASS, all_to_all_chunk_bytes)
     changed = False
-    for ag in [n for n in graph.nodes if is_op(n, (ALL_GATHER,))]:
-        x, size, group = ag.args
+    for ag in calls(graph, (ALL_GATHER,)):
+        x, size, group = cast(tuple[Node, int, str], ag.args)
         info = group_info(group)
         if info is None or info.backend not in all_gather_backends:
             record(PASS, f"skipped: backend {info.backend if info else 'unknown'}", ag)

@@ -45,6 +45,7 @@ from ._graph import (
     WAIT,
     aten,
     block_of,
+    calls,
     check_graph,
     is_op,
     record,
@@ -66,8 +67,8 @@ def _key(ag: Node) -> tuple[Any, ...]:
 
 def _candidates(graph: Graph) -> dict[tuple, list[Node]]:
     groups: dict[tuple, list[Node]] = {}
-    for node in graph.nodes:
-        if not is_op(node, (ALL_GATHER,)) or block_of(node) is None:
+    for node in calls(graph, (ALL_GATHER,)):
+        if block_of(node) is None:
             continue
         if len(node.users) != 1 or not is_op(next(iter(node.users)), (WAIT,)):
             record(PASS, "skipped: not a single-wait all_gather", node)

@@ -79,12 +79,12 @@ def _wire_bytes(chain: Chain) -> int:
 
 
 def _caps(
-    candidates: dict[Node, Chain], keys: dict[Node, tuple], cap_mb: float | None
+    nbytes: dict[Node, int], keys: dict[Node, tuple], cap_mb: float | None
 ) -> dict[tuple, float]:
     """Bucket cap in bytes per key: ``cap_mb``, or derived (see the module docstring)."""
     total: dict[tuple, int] = {}
-    for node, chain in candidates.items():
-        total[keys[node]] = total.get(keys[node], 0) + _wire_bytes(chain)
+    for node, n in nbytes.items():
+        total[keys[node]] = total.get(keys[node], 0) + n
     if cap_mb is not None:
         return {k: cap_mb * 2**20 for k in total}
     return {
@@ -97,6 +97,7 @@ def _buckets(
     graph: Graph,
     candidates: dict[Node, Chain],
     keys: dict[Node, tuple],
+    nbytes: dict[Node, int],
     caps: dict[tuple, float],
     first_cap_mb: float,
 ) -> list[list[Chain]]:
@@ -130,16 +131,19 @@ def _buckets(
             buckets.append(current)
         current, size, index = [], 0, index + 1
 
+    label = latest.get
     for node in graph.nodes:
-        depends_on = max((latest.get(i, -1) for i in node.all_input_nodes), default=-1)
+        depends_on = -1
+        for i in node.all_input_nodes:
+            depends_on = max(depends_on, label(i, -1))
         chain = candidates.get(node)
         if chain is None:
-            latest[node] = depends_on
+            if depends_on >= 0:  # absent reads as -1
+                latest[node] = depends_on
             if is_collective(node):  # only adjacent candidates share a bucket
                 close()
             continue
-        nbytes = _wire_bytes(chain)
-        full = index > 0 and size + nbytes > caps[keys[node]]
+        full = index > 0 and size + nbytes[node] > caps[keys[node]]
         if current and (
             keys[node] != keys[current[0].collective] or depends_on >= first_member or full
         ):
@@ -147,7 +151,7 @@ def _buckets(
         if not current:
             first_member = count
         current.append(chain)
-        size += nbytes
+        size += nbytes[node]
         latest[node] = count
         count += 1
         if index == 0 and size >= first_cap_mb * 2**20:
@@ -200,9 +204,9 @@ def bucket_compressed_collectives(
         return False
 
     keys = {node: _key(chain) for node, chain in candidates.items()}
-    buckets = _buckets(
-        graph, candidates, keys, _caps(candidates, keys, bucket_cap_mb), first_bucket_cap_mb
-    )
+    nbytes = {node: _wire_bytes(chain) for node, chain in candidates.items()}
+    caps = _caps(nbytes, keys, bucket_cap_mb)
+    buckets = _buckets(graph, candidates, keys, nbytes, caps, first_bucket_cap_mb)
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved: set[Node] = set()
     changed = False

@@ -51,6 +51,7 @@ from ._graph import (
     WAIT,
     aten,
     block_of,
+    calls,
     check_graph,
     is_op,
     is_quantized,
@@ -104,7 +105,7 @@ def _buckets(graph: Graph, cap_bytes: float) -> list[list[Node]]:
     open_: dict[tuple, list[Node]] = {}
     size: dict[tuple, int] = {}
     done: list[list[Node]] = []
-    for n in graph.nodes:
+    for n in calls(graph, (ALL_TO_ALL, ALL_GATHER)):
         if not _member(n):
             continue
         key, nbytes = _key(n), val(n.args[0]).numel()

@@ -57,6 +57,7 @@ from ._graph import (
     BROADCAST,
     COLLECTIVES,
     WAIT,
+    calls,
     check_graph,
     is_collective,
     is_op,
@@ -76,11 +77,8 @@ GRADIENT_COLLECTIVES = COLLECTIVES + (ALL_TO_ALL,)
 def _zero_broadcasts(graph: Graph) -> list[Node]:
     return [
         n
-        for n in graph.nodes
-        if is_op(n, (BROADCAST, ALL_GATHER))
-        and not is_quantized(n)
-        and len(n.users) == 1
-        and is_op(next(iter(n.users)), (WAIT,))
+        for n in calls(graph, (BROADCAST, ALL_GATHER))
+        if not is_quantized(n) and len(n.users) == 1 and is_op(next(iter(n.users)), (WAIT,))
     ]
 
 

@@ -48,7 +48,7 @@ import dataclasses
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, WAIT, block_of, check_graph, is_op, record
+from ._graph import ALL_GATHER, WAIT, block_of, calls, check_graph, is_op, record
 from ._traversal import input_cone, is_alias, returned
 from .interface import graph_pass
 
@@ -93,17 +93,14 @@ def prefetch_block_all_gathers(graph: Graph, prefetch_depth: int = 1) -> bool:
     check_graph(PASS, graph)
     if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
         raise ValueError(f"{PASS}: prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
-    order = {n: i for i, n in enumerate(graph.nodes)}
     ags = [
         n
-        for n in graph.nodes
-        if is_op(n, (ALL_GATHER,))
-        and block_of(n) is not None
-        and len(n.users) == 1
-        and is_op(_wait(n), (WAIT,))
+        for n in calls(graph, (ALL_GATHER,))
+        if block_of(n) is not None and len(n.users) == 1 and is_op(_wait(n), (WAIT,))
     ]
     if not ags:
         return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
     ags.sort(key=lambda ag: order[_wait(ag)])
     first_wait = _wait(ags[0])
     limited = [ag for ag in ags if not returned(ag)]

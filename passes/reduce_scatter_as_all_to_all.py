@@ -36,11 +36,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection
+from typing import cast
 
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import ALL_TO_ALL, REDUCE_SCATTER, WAIT, aten, check_graph, is_op, prims, record, val
+from ._graph import (
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    WAIT,
+    aten,
+    calls,
+    check_graph,
+    is_op,
+    prims,
+    record,
+    val,
+)
 from ._groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
 from ._values import new_node
 from .interface import graph_pass
@@ -99,8 +111,8 @@ def reduce_scatter_as_all_to_all(
     check_graph(PASS, graph)
     chunk_bytes = resolve_chunk_bytes(PASS, all_to_all_chunk_bytes)
     changed = False
-    for rs in [n for n in graph.nodes if is_op(n, (REDUCE_SCATTER,))]:
-        x, op, size, group = rs.args
+    for rs in calls(graph, (REDUCE_SCATTER,)):
+        x, op, size, group = cast(tuple[Node, str, int, str], rs.args)
         info = group_info(group)
         if info is None or info.backend not in reduce_scatter_backends:
             record(PASS, f"skipped: backend {info.backend if info else 'unknown'}", rs)
