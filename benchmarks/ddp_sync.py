@@ -8,7 +8,8 @@ of bf16 gradients; at batch 32 its backward, ~10 ms here, is shorter than those 
 on a 2 Gbit/s link), ``mlp-32x256-b128`` (the same at batch 128: backward compute longer than
 its gradient traffic) and ``mlp-8x1024`` (8 layers of width 1024 at batch 32: 16 tensors, 8.4M
 parameters, bandwidth-bound on a slow link); the main example's transformer as
-``transformer-small`` / ``transformer-medium``. Configurations:
+``transformer-small`` / ``transformer-medium``; ``mlp-2x64`` (2 layers of width 64, batch 8) is
+the smallest run, to check that the script works. Configurations:
 
 - peers: eager DDP (fp32), eager DDP + torch's ``fp16_compress_hook``, and compiled DDP with
   the same hook as ours plus torch's own bucketing (``torch._inductor.config
@@ -64,13 +65,21 @@ from achievable import (
     compute_busy_ms,
     vs_achievable,
 )
-from launch import add_link_argument, describe_link, itemsize, launch
+from launch import (
+    add_link_argument,
+    add_smoke_argument,
+    apply_smoke,
+    describe_link,
+    itemsize,
+    launch,
+)
 from train_ddp import TinyTransformer, batch
 
 import compiled_hooks as ch
 import passes
 
 MODELS = {
+    "mlp-2x64": ("mlp", 64, 2, 8),
     "mlp-32x256": ("mlp", 256, 32, 32),
     "mlp-32x256-b128": ("mlp", 256, 32, 128),
     "mlp-8x1024": ("mlp", 1024, 8, 32),
@@ -82,6 +91,7 @@ OURS = ["compiled + bf16 hook + passes"]
 INT8 = "compiled + int8 hook + passes"
 COMPUTE = "compute alone (compiled, no DDP)"
 CONFIGS = PEERS + OURS + [INT8, "compiled + bf16 hook", COMPUTE]
+SMOKE = ["eager DDP", *OURS, INT8, COMPUTE]  # what the report needs
 STEP = "ddp_sync step"
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 COLLECTIVES = (
@@ -275,13 +285,21 @@ def first_gradient_ms(model: str, reps: int = 10) -> tuple[float, float]:
 
 
 def run_model(
-    rank: int, model: str, steps: int, pipeline_options: dict, link: str | None, traffic
+    rank: int,
+    model: str,
+    steps: int,
+    pipeline_options: dict,
+    link: str | None,
+    traffic,
+    names: list[str] = CONFIGS,
 ) -> dict | None:
-    """Time, profile and print one model's table (rank 0); returns it for ``results``."""
+    """Time, profile and print one model's table (rank 0) of the configurations ``names``,
+    which hold one peer at least, ours, int8 and the compute alone; returns it for
+    ``results``."""
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
-    names = [n for n in CONFIGS if n.startswith("eager")] + [
-        n for n in CONFIGS if not n.startswith("eager")
+    names = [n for n in names if n.startswith("eager")] + [
+        n for n in names if not n.startswith("eager")
     ]
     configs = [Config(n, model, i, pipeline_options) for i, n in enumerate(names)]
     for c in configs:
@@ -311,7 +329,7 @@ def run_model(
         return None
     configs.sort(key=lambda c: CONFIGS.index(c.name))
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
-    best_peer = min(PEERS, key=median.__getitem__)
+    best_peer = min((p for p in PEERS if p in median), key=median.__getitem__)
     compute = median[COMPUTE]
     bound = max(fwd + first + wire, compute)
     tensors = sum(1 for _ in configs[0].net.parameters()) - 1
@@ -394,6 +412,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {},
             args.link,
             traffic,
+            SMOKE if args.smoke else CONFIGS,
         )
         for model in args.models
     ]
@@ -415,9 +434,10 @@ def main() -> None:
         "--bucket-cap-mb", type=float, help="the passes' bucket cap (default: the pipeline's)"
     )
     add_link_argument(parser)
+    add_smoke_argument(parser)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
-    launch(_worker, parser.parse_args())
+    launch(_worker, apply_smoke(parser.parse_args(), models=["mlp-2x64"]))
 
 
 if __name__ == "__main__":

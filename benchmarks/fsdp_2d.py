@@ -4,9 +4,10 @@
     python benchmarks/fsdp_2d.py                   # 4 CPU ranks over loopback, dp=2 x tp=2
 
 The model: the Llama of ``examples/llama.py`` (HuggingFace's layout) at width 256, 8 heads
-(4 key/value heads), MLP width 704, 4 layers, vocabulary 2048; batch 8 x 64 tokens, fp32;
-torchtitan's TP plan (``examples.llama.parallelize_tp``) over ``mesh["tp"]`` first, then each
-configuration shards over ``mesh["dp"]``, each layer a block, resharding after forward:
+(4 key/value heads), MLP width 704, 4 layers (``--layers``), vocabulary 2048; batch 8 x 64
+tokens, fp32; torchtitan's TP plan (``examples.llama.parallelize_tp``) over ``mesh["tp"]``
+first, then each configuration shards over ``mesh["dp"]``, each layer a block, resharding after
+forward:
 
 - FSDP2 + TP, eager: ``fully_shard`` on each layer and the root;
 - SimpleFSDP-style + TP, compiled: each TP local tensor sharded on ``dp`` as a ``Shard(0)``
@@ -44,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import results
 from fsdp_step import INDUCTOR_FSDP_BUCKETING, Average, Tagged
-from launch import launch
+from launch import add_smoke_argument, apply_smoke, launch
 from llama import Config, LlamaForCausalLM, parallelize_tp
 
 import passes
@@ -52,7 +53,11 @@ from compiled_hooks import compat
 from compiled_hooks.fsdp import data_parallel
 from passes.pipeline import Pipeline, default_pipeline
 
-CONFIG = Config(vocab=2048, dim=256, heads=8, kv_heads=4, hidden=704, layers=4)
+
+def llama_config(layers: int) -> Config:
+    return Config(vocab=2048, dim=256, heads=8, kv_heads=4, hidden=704, layers=layers)
+
+
 MB = 2**20
 # a collective's op name -> (index of the tensor that holds its full size, times the group size)
 _FUNCTIONAL = {
@@ -148,10 +153,10 @@ def recording_pass(calls: list[tuple[str, str, int]]):
 
 
 class Run:
-    def __init__(self, name: str, index: int, dp, tp):
+    def __init__(self, name: str, index: int, dp, tp, config: Config):
         self.name, self.times, self.calls = name, [], []
         torch.manual_seed(0)
-        net = Tagged(parallelize_tp(LlamaForCausalLM(CONFIG), tp), index)
+        net = Tagged(parallelize_tp(LlamaForCausalLM(config), tp), index)
         self.pipeline: Pipeline | None = None
         if name.startswith("FSDP2"):
             for layer in net.model.model.layers:
@@ -192,6 +197,7 @@ NAMES = [
     "data_parallel + TP compiled",
     "data_parallel + TP compiled + passes",
 ]
+SMOKE = [NAMES[0], NAMES[3]]  # what the report needs: FSDP2 first, then ours
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
@@ -199,9 +205,11 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = mesh["dp"], mesh["tp"]
     groups = {dp.get_group().group_name: "dp", tp.get_group().group_name: "tp"}
-    runs = [Run(name, i, dp, tp) for i, name in enumerate(NAMES)]
+    config = llama_config(args.layers)
+    names = SMOKE if args.smoke else NAMES
+    runs = [Run(name, i, dp, tp, config) for i, name in enumerate(names)]
     g = torch.Generator().manual_seed(dp.get_local_rank())
-    batches = [torch.randint(0, CONFIG.vocab, (8, 64), generator=g) for _ in range(4)]
+    batches = [torch.randint(0, config.vocab, (8, 64), generator=g) for _ in range(4)]
     for run in runs:  # compile, and count the eager run's collectives of one step
         if run.pipeline is None:
             with _Count() as counter:
@@ -260,9 +268,11 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=4, help="the Llama's layers")
+    add_smoke_argument(parser)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=4, link=None)
-    launch(_worker, parser.parse_args())
+    launch(_worker, apply_smoke(parser.parse_args(), layers=1))
 
 
 if __name__ == "__main__":

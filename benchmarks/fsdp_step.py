@@ -5,7 +5,8 @@ compile.
     python benchmarks/fsdp_step.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
 Models: ``mlp-8x1024`` (8 Linear(1024, 1024) + ReLU, batch 32, every Linear a block) and
-``transformer`` (the main example's transformer at width 256, 4 blocks, batch 8). Every
+``transformer`` (the main example's transformer at width 256, 4 blocks, batch 8); ``mlp-2x64``
+(2 Linear(64, 64), batch 8) is the smallest run, to check that the script works. Every
 configuration reduces gradients in bf16, with fp32 parameters or ``param_dtype`` bf16:
 
 - peers: FSDP2 eager (``fully_shard`` per block and the root, resharding after forward); FSDP2
@@ -71,6 +72,8 @@ from achievable import (
 )
 from launch import (
     add_link_argument,
+    add_smoke_argument,
+    apply_smoke,
     describe_link,
     launch,
     link_bytes_per_s,
@@ -85,13 +88,19 @@ from passes.testing import gathered_bytes_alive, partitioned_graphs
 INDUCTOR_FSDP_BUCKETING = {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all"}
 
 
+MLPS = {"mlp-2x64": (64, 2, 8), "mlp-8x1024": (1024, 8, 32)}  # width, depth, batch
+
+
 def make_model(name: str, tag: int) -> tuple[nn.Module, list[nn.Module], torch.Tensor]:
     """(model, blocks, input). ``tag`` sizes a parameter that makes each configuration's graph
     its own (Dynamo would otherwise serve one configuration's graph to another)."""
     torch.manual_seed(0)
-    if name == "mlp-8x1024":
-        model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())])
-        blocks, x = [m for m in model if isinstance(m, nn.Linear)], torch.randn(32, 1024)
+    if name in MLPS:
+        width, depth, batch = MLPS[name]
+        model = nn.Sequential(
+            *[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
+        )
+        blocks, x = [m for m in model if isinstance(m, nn.Linear)], torch.randn(batch, width)
     else:
         model = TinyTransformer(dim=256, layers=4)
         blocks, x = list(model.blocks), torch.randint(0, model.vocab, (8, 32))
@@ -228,18 +237,30 @@ OURS = [
     "data_parallel reshard + passes",
     INT8,
 ]
-CONFIGS = PEERS_RESHARD + PEERS_KEEP + OURS + ["compute alone (compiled, unsharded)"]
+COMPUTE = "compute alone (compiled, unsharded)"  # last: the references are measured with it
+CONFIGS = PEERS_RESHARD + PEERS_KEEP + OURS + [COMPUTE]
+# what the report needs
+SMOKE = ["FSDP2 eager", *PEERS_KEEP, "data_parallel keep + passes", COMPUTE]
 
 
 def run_model(
-    rank: int, world: int, model: str, param_dtype, steps: int, link: str | None, traffic
+    rank: int,
+    world: int,
+    model: str,
+    param_dtype,
+    steps: int,
+    link: str | None,
+    traffic,
+    names: list[str] = CONFIGS,
 ) -> dict | None:
+    """Time and print one model's table (rank 0) of the configurations ``names`` (the compute
+    alone last); returns it for ``results``."""
     torch._dynamo.reset()
     # data_parallel's root forward is one code object, compiled per configuration and again
     # for its peak-memory graphs
-    torch._dynamo.config.recompile_limit = 2 * len(CONFIGS)
+    torch._dynamo.config.recompile_limit = 2 * len(names)
     mesh = init_device_mesh("cpu", (world,))
-    configs = [Config(n, model, i, mesh, param_dtype) for i, n in enumerate(CONFIGS)]
+    configs = [Config(n, model, i, mesh, param_dtype) for i, n in enumerate(names)]
     for c in configs:
         c.step()  # compile
         c.step()
@@ -260,7 +281,7 @@ def run_model(
     if rank != 0:
         return None
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
-    compute = median[CONFIGS[-1]]
+    compute = median[COMPUTE]
     dtype = "fp32" if param_dtype is None else "bf16"
     title = f"{model}, param_dtype {dtype}, reduce bf16"
     print(f"\n### {title}\n")
@@ -354,7 +375,16 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     dtypes = {"fp32": None, "bf16": torch.bfloat16}
     traffic = dist.new_group(backend="gloo")  # for under_traffic_ms, on every rank
     tables = [
-        run_model(rank, world_size, model, dtypes[d], args.steps, args.link, traffic)
+        run_model(
+            rank,
+            world_size,
+            model,
+            dtypes[d],
+            args.steps,
+            args.link,
+            traffic,
+            SMOKE if args.smoke else CONFIGS,
+        )
         for model in args.models
         for d in args.param_dtypes
     ]
@@ -370,15 +400,17 @@ def main() -> None:
         "--models",
         nargs="+",
         default=["mlp-8x1024", "transformer"],
-        choices=["mlp-8x1024", "transformer"],
+        choices=[*MLPS, "transformer"],
     )
     parser.add_argument(
         "--param-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"]
     )
     add_link_argument(parser)
+    add_smoke_argument(parser)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
-    launch(_worker, parser.parse_args())
+    args = apply_smoke(parser.parse_args(), models=["mlp-2x64"], param_dtypes=["fp32"])
+    launch(_worker, args)
 
 
 if __name__ == "__main__":

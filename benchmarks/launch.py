@@ -10,6 +10,7 @@ needs root, ``ip`` and ``tc``; without them the benchmark says why and runs over
     launch(worker, parser.parse_args())   # worker(rank, world_size, args) -> bool in a gloo group
 
 ``describe_link()`` is the line a benchmark prints so its table says where it was measured.
+``add_smoke_argument`` / ``apply_smoke`` give a step benchmark its ``--smoke`` run.
 The group itself is the examples' (``examples/train_ddp.py``'s ``launch``): under torchrun, or
 on the link, each rank joins from the environment; otherwise ``args.world_size`` ranks are
 spawned over loopback. A worker returning False makes its process exit with code 1.
@@ -83,6 +84,24 @@ def add_link_argument(parser: argparse.ArgumentParser) -> None:
         metavar="RATE",
         help="run the two ranks on a link shaped to RATE (e.g. 2gbit; needs root, ip and tc)",
     )
+
+
+def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run, to check that the script works (the slow tier of the tests runs "
+        "it): one small model, 2 steps, only the configurations its report needs; not a "
+        "measurement",
+    )
+
+
+def apply_smoke(args: argparse.Namespace, **smallest: object) -> argparse.Namespace:
+    """With ``--smoke``: 2 steps and ``smallest`` (a script's smallest model) in place of the
+    parsed options; the script keeps only the configurations its report needs."""
+    if args.smoke:
+        vars(args).update(steps=2, **smallest)
+    return args
 
 
 def describe_link() -> str:

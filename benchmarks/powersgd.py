@@ -4,8 +4,9 @@
     python benchmarks/powersgd.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
 Model: ``ddp_sync.py``'s ``mlp-8x1024`` (8 layers of 1024 x 1024, batch 32; bandwidth-bound on
-a slow link), each rank regressing its own fixed batch. Configurations, each training its own
-copy of the model with SGD (lr 0.01) from the same initialization:
+a slow link; ``--model`` picks another of its models), each rank regressing its own fixed
+batch. Configurations, each training its own copy of the model with SGD (lr 0.01) from the same
+initialization:
 
 - eager DDP + torch's ``powerSGD_hook`` at rank 1 and 4 (needs numpy, which torch's state
   uses; without it these rows are left out and the reason printed);
@@ -33,8 +34,15 @@ import time
 import results
 import torch
 import torch.distributed as dist
-from ddp_sync import COLLECTIVES, loss_of, make_model
-from launch import add_link_argument, describe_link, itemsize, launch
+from ddp_sync import COLLECTIVES, MODELS, loss_of, make_model
+from launch import (
+    add_link_argument,
+    add_smoke_argument,
+    apply_smoke,
+    describe_link,
+    itemsize,
+    launch,
+)
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,7 +50,7 @@ import compiled_hooks as ch
 import passes
 from compiled_hooks.powersgd import PowerSGDState, powerSGD_hook
 
-MODEL, START, WARMUP, LR = "mlp-8x1024", 2, 4, 0.1
+START, WARMUP, LR = 2, 4, 0.1
 BF16 = "compiled + bf16 hook + passes"
 
 
@@ -58,9 +66,9 @@ def torch_powersgd() -> tuple[object, str | None]:
 
 
 class Config:
-    def __init__(self, name: str, index: int, rank: int = 0):
+    def __init__(self, name: str, model: str, index: int, rank: int = 0):
         self.name, self.times = name, []
-        self.net, self.inputs, self.target = make_model(MODEL, index + 1)
+        self.net, self.inputs, self.target = make_model(model, index + 1)
         self.compiled = name.startswith("compiled")
         self.pipeline = None
         if name.startswith("eager"):
@@ -125,9 +133,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     names += [f"compiled + powerSGD rank {r} + passes" for r in args.ranks] + [BF16]
     if rank == 0:
         print(
-            f"{describe_link()}, gloo, 1 thread each; {MODEL}, {WARMUP} warm-up + {args.steps} "
-            f"interleaved steps per configuration, medians on rank 0; torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d')}",
+            f"{describe_link()}, gloo, 1 thread each; {args.model}, {WARMUP} warm-up + "
+            f"{args.steps} interleaved steps per configuration, medians on rank 0; torch "
+            f"{torch.__version__}, {time.strftime('%Y-%m-%d')}",
             flush=True,
         )
         if why_not:
@@ -136,7 +144,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     configs = []
     for i, name in enumerate(names):
         r = int(name.split("rank ")[1].split()[0]) if "rank" in name else 0
-        configs.append(Config(name, i, r))
+        configs.append(Config(name, args.model, i, r))
     for c in configs:
         for _ in range(WARMUP):  # compile, PowerSGD's switch at step 2 and its recompile
             c.step()
@@ -197,7 +205,11 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
         args,
         "powersgd",
         describe_link(),
-        [results.table(f"{MODEL}, forward + backward + SGD step", rows, ratio="vs_bf16_passes")],
+        [
+            results.table(
+                f"{args.model}, forward + backward + SGD step", rows, ratio="vs_bf16_passes"
+            )
+        ],
     )
     return True
 
@@ -206,12 +218,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(
+        "--model", default="mlp-8x1024", choices=list(MODELS), help="a model of ddp_sync.py"
+    )
+    parser.add_argument(
         "--ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD approximation ranks"
     )
     add_link_argument(parser)
+    add_smoke_argument(parser)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
-    launch(_worker, parser.parse_args())
+    launch(_worker, apply_smoke(parser.parse_args(), model="mlp-2x64", ranks=[1]))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import results
 import torch
 import torch.distributed as dist
 from ddp_sync import loss_of, make_model
-from launch import add_link_argument, describe_link, launch
+from launch import add_link_argument, add_smoke_argument, apply_smoke, describe_link, launch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel
@@ -278,9 +278,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--models", nargs="+", default=["mlp-8x1024", "mlp-32x256"])
     add_link_argument(parser)
+    add_smoke_argument(parser)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
-    launch(_worker, parser.parse_args())
+    launch(_worker, apply_smoke(parser.parse_args(), models=["mlp-2x64"]))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ from achievable import (
     compute_busy_ms,
     vs_achievable,
 )
-from launch import add_link_argument, describe_link, launch
+from launch import add_link_argument, add_smoke_argument, apply_smoke, describe_link, launch
 from train_ddp import TinyTransformer, batch, loss_fn
 
 import compiled_hooks as ch
@@ -81,6 +81,7 @@ CONFIGS = [
     NO_STEP,
     COMPUTE,
 ]
+SMOKE = [CONFIGS[0], "compiled ZeRO, interleaved", NO_STEP, COMPUTE]  # what the report needs
 COLLECTIVE = re.compile(
     r"_c10d_functional\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|broadcast|all_to_all_single)\w*"
     r"\.default\("
@@ -281,12 +282,21 @@ def kernel_table(c: Config, events, steps: int) -> str:
 
 
 def run(
-    rank: int, size: dict, steps: int, link: str | None, traffic, profiled: bool = False
+    rank: int,
+    size: dict,
+    steps: int,
+    link: str | None,
+    traffic,
+    profiled: bool = False,
+    names: list[str] = CONFIGS,
 ) -> tuple[list[dict], list[str], float] | None:
+    """Time the configurations ``names`` (the first of ``CONFIGS``, ``NO_STEP`` and ``COMPUTE``
+    among them); on rank 0 their rows, the profiled kernel tables and the compute's time under
+    traffic."""
     tokens, targets = batch(rank, 0, batch_size=8, seq_len=32)
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
-    configs = [Config(n, size, tokens, targets) for n in CONFIGS if n.startswith("eager")]
-    configs += [Config(n, size, tokens, targets) for n in CONFIGS if not n.startswith("eager")]
+    configs = [Config(n, size, tokens, targets) for n in names if n.startswith("eager")]
+    configs += [Config(n, size, tokens, targets) for n in names if not n.startswith("eager")]
     configs.sort(key=lambda c: CONFIGS.index(c.name))
     for c in configs:
         c.first_step()
@@ -358,9 +368,9 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if args.profile:
         torch._inductor.config.cpp.enable_kernel_profile = True
     traffic = dist.new_group(backend="gloo")  # for under_traffic_ms, on every rank
-    result = run(
-        rank, dict(dim=args.dim, layers=args.layers), args.steps, args.link, traffic, args.profile
-    )
+    size = dict(dim=args.dim, layers=args.layers)
+    names = SMOKE if args.smoke else CONFIGS
+    result = run(rank, size, args.steps, args.link, traffic, args.profile, names)
     if rank == 0:
         rows, tables, busy = result
         print(
@@ -430,8 +440,9 @@ def main() -> None:
         "(rank 0's kernels)",
     )
     add_link_argument(parser)
+    add_smoke_argument(parser)
     results.add_output_arguments(parser)
-    launch(_worker, parser.parse_args())
+    launch(_worker, apply_smoke(parser.parse_args(), dim=32, layers=1))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,9 @@
 """Every benchmark script starts: its ``--help`` in the fast tier (in this process), and in the
-slow tier the smallest configuration (a subprocess, as a user runs it: loopback, two steps) of
-each script whose smallest run takes a minute or so. What a benchmark computes is tested beside
-it (``test_benchmark_*.py``; ``fsdp_memory.py``'s rows in ``test_benchmark_fsdp_memory.py``).
-``achievable.py`` and ``launch.py`` are modules, not scripts.
-
-The step benchmarks (``ddp_sync``, ``fsdp_2d``, ``fsdp_step``, ``powersgd``, ``reducer_hooks``,
-``zero_step``) compile every configuration they compare, peers included, on two or four ranks:
-their smallest run takes more of CI than it has room for (docs/testing.md), so only their
-``--help`` runs until each has a smoke mode of its own."""
+slow tier the smallest configuration (a subprocess, as a user runs it: loopback, two steps).
+The step benchmarks take ``--smoke`` for it (``launch.add_smoke_argument``: one small model, the
+configurations their report needs). What a benchmark computes is tested beside it
+(``test_benchmark_*.py``; ``fsdp_memory.py``'s rows in ``test_benchmark_fsdp_memory.py``).
+``achievable.py`` and ``launch.py`` are modules, not scripts."""
 
 from __future__ import annotations
 
@@ -26,21 +22,21 @@ SCRIPTS = sorted(
     p.stem for p in BENCHMARKS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
 )
 
-# each script's smallest configuration; None: not run here (see the module docstring)
+# each script's smallest configuration; None: not run here (the comment says why)
 SMOKE = {
-    "ddp_sync": None,
-    "fsdp_2d": None,
+    "ddp_sync": ["--smoke"],
+    "fsdp_2d": ["--smoke"],
     "fsdp_memory": None,  # test_benchmark_fsdp_memory.py runs its rows
-    "fsdp_step": None,
+    "fsdp_step": ["--smoke"],
     "gloo_collectives": ["--sizes-mb", "1", "--reps", "2", "--chunk-kib", "256"],
     "pass_time": ["--calls", "20", "40", "--repeat", "1"],
-    "powersgd": None,
+    "powersgd": ["--smoke"],
     "projection": ["--params", "1e9", "--send-ns", "0.02", "--receive-ns", "0.01"],
     "quantize_cost": ["--numel", "4096", "--reps", "2", "--device", "cpu"],
     "rank_guard": ["--steps", "2"],
-    "reducer_hooks": None,
+    "reducer_hooks": ["--smoke"],
     "results": None,  # plots another run's JSON: needs matplotlib (the bench extra)
-    "zero_step": None,
+    "zero_step": ["--smoke"],
     "zero_update_layouts": ["--numel", "20000", "--members", "4", "--calls", "2"],
 }
 
@@ -75,3 +71,5 @@ def test_smallest_configuration_runs(script):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
+    if SMOKE[script] == ["--smoke"]:  # a step benchmark's report: its table
+        assert "|---|" in proc.stdout, proc.stdout[-4000:]
