@@ -352,10 +352,10 @@ def _training_worker(rank, world_size, steps):
 
 @pytest.mark.slow
 def test_training_ends_within_two_percent_of_bf16():
-    """200 steps of the main example's transformer: with int8 gradients and error feedback the
-    final loss is within 2% of the bf16 hook's, and the parameters are the same on both ranks,
-    bit for bit."""
-    ranks = run_ranks(_training_worker, 2, 200, timeout=900)
+    """100 steps of the main example's transformer (its loss a quarter of step 50's by then):
+    with int8 gradients and error feedback the final loss is within 2% of the bf16 hook's, and
+    the parameters are the same on both ranks, bit for bit."""
+    ranks = run_ranks(_training_worker, 2, 100, timeout=900)
     bf16, int8 = ranks[0]["bf16"][0], ranks[0]["int8"][0]
     assert ranks[0]["int8"][2] == 2 * len(ranks[0]["int8"][1])  # int8 ran, feedback kept
     assert abs(int8[-1] - bf16[-1]) <= 0.02 * bf16[-1], (int8[-1], bf16[-1])
@@ -407,10 +407,10 @@ def _data_parallel_training_worker(rank, world_size, steps):
 
 @pytest.mark.slow
 def test_data_parallel_training_with_int8_gathers_ends_within_three_percent_of_bf16():
-    """200 steps of the main example's transformer under data_parallel: with int8 gradients,
+    """100 steps of the main example's transformer under data_parallel: with int8 gradients,
     error feedback and int8 weight gathers the final loss is within 3% of the bf16 hook's; the
     full parameters are the same on both ranks, bit for bit."""
-    ranks = run_ranks(_data_parallel_training_worker, 2, 200, timeout=900)
+    ranks = run_ranks(_data_parallel_training_worker, 2, 100, timeout=900)
     bf16, int8 = ranks[0]["bf16"][0], ranks[0]["int8"][0]
     assert ranks[0]["int8"][2] == len(ranks[0]["int8"][1])  # int8 ran: a worker residual each
     assert abs(int8[-1] - bf16[-1]) <= 0.03 * bf16[-1], (int8[-1], bf16[-1])
