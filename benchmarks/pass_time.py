@@ -9,10 +9,10 @@ process group (no processes). For each size: the node count, every pass's time i
 ``default_pipeline()`` order and the pipeline's total, as ``Pipeline.run`` reports them in
 ``counters["passes"]`` (the total includes its sort and lint; medians of ``--repeat`` fresh
 copies, each run after a full garbage collection, the sizes taking turns), and between the
-smallest and the largest graph the growth exponent ``log(t2/t1) / log(n2/n1)`` (1.0 is linear).
-Beside them, the reference a pass cannot beat: one walk over the same graph's nodes
-(:func:`walk`), whose exponent shows what the machine's caches make of a linear visit at these
-sizes.
+smallest and the largest graph the growth exponent ``log(t2/t1) / log(n2/n1)`` (1.0 is linear),
+and the pipeline's time per node at every size (flat where it is linear). Beside them, the
+reference a pass cannot beat: one walk over the same graph's nodes (:func:`walk`), whose
+exponent shows what the machine's caches make of a linear visit at these sizes.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ def main() -> None:
     print(f"{'hook calls':>10} {'nodes':>7} " + " ".join(f"{n:>27}" for n in names))
     for calls, nodes, t in rows:
         print(f"{calls:>10} {nodes:>7} " + " ".join(f"{t[n]:>26.3f}s" for n in names))
+    print(
+        "pipeline per node: "
+        + ", ".join(f"{t['pipeline'] / nodes * 1e6:.1f} us at {nodes}" for _, nodes, t in rows)
+    )
     if len(rows) > 1:
         (_, n1, t1), (_, n2, t2) = rows[0], rows[-1]
         print(
