@@ -165,18 +165,28 @@ def under_compute_ms(
     if not calls:
         return replay_ms(calls, world)
     stop = threading.Event()
+    failed: list[BaseException] = []
+    # Dynamo's settings are each thread's own (torch 2.13 on): the step's DDP mode goes with it
+    optimize_ddp = torch._dynamo.config.optimize_ddp
 
     def spin() -> None:
-        while not stop.is_set():
-            compute_step()
+        try:
+            with torch._dynamo.config.patch(optimize_ddp=optimize_ddp):
+                while not stop.is_set():
+                    compute_step()
+        except BaseException as e:  # re-raised below: a time without the compute is no answer
+            failed.append(e)
 
     thread = threading.Thread(target=spin)
     thread.start()
     try:
-        return replay_ms(calls, world, reps)
+        ms = replay_ms(calls, world, reps)
     finally:
         stop.set()
         thread.join()
+    if failed:
+        raise RuntimeError("under_compute_ms: the compute step failed") from failed[0]
+    return ms
 
 
 def contended_ms(
@@ -198,11 +208,6 @@ def contended_ms(
         return compute_ms
     gain = 1 - compute_ms / compute_busy_ms - alone_ms / alone_busy_ms
     return compute_ms + alone_ms + min(0.0, gain) * min(compute_busy_ms, alone_busy_ms)
-
-
-def collectives_alone_ms(step: Callable[[], object], world: int) -> float | None:
-    """:func:`replay_ms` of the collectives one ``step()`` issues."""
-    return replay_ms(record_collectives(step, world), world)
 
 
 def compute_busy_ms(

@@ -34,7 +34,9 @@ only in backward, so a step takes at least forward + time to the first gradient 
 every gradient byte in the wire dtype (an all_reduce of that many bf16 elements, timed on the
 same link), or the step's compute alone if that is longer. The column "vs achievable" divides
 each step by what this machine allows it: the larger of its collectives alone and the compute
-alone while the wire is busy (``achievable.py``).
+alone while the wire is busy (``achievable.py``); "vs two-way contention" by the least step when
+the compute and the collectives slow each other as much as measured here
+(``achievable.contended_ms``).
 """
 
 from __future__ import annotations
@@ -61,8 +63,11 @@ import results
 from achievable import (
     TRAFFIC_ROW,
     achievable_ms,
-    collectives_alone_ms,
     compute_busy_ms,
+    contended_ms,
+    record_collectives,
+    replay_ms,
+    under_compute_ms,
     vs_achievable,
 )
 from launch import (
@@ -314,11 +319,15 @@ def run_model(
             t0 = time.perf_counter()
             c.step()
             c.times.append(time.perf_counter() - t0)
+    world = dist.get_world_size()
     for c in configs:
         c.profile()
-        c.alone_ms = collectives_alone_ms(c.step, dist.get_world_size())
+        c.calls = record_collectives(c.step, world)
+        c.alone_ms = replay_ms(c.calls, world)
     compute_alone = next(c for c in configs if c.name == COMPUTE)
     busy = compute_busy_ms(compute_alone.step, compute_alone.times, traffic, link)
+    for c in configs:  # every rank replays the collectives
+        c.alone_busy_ms = under_compute_ms(c.calls, world, compute_alone.step)
     elements = sum(p.numel() for p in configs[0].net.parameters())
     wire, wire_cpu = wire_ms(elements, torch.bfloat16)
     fwd, first = first_gradient_ms(model)
@@ -336,9 +345,10 @@ def run_model(
     print(f"\n### {model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)\n")
     print(
         "| configuration | median step (ms) | vs best peer | vs bound | collectives/step | MB to "
-        "collectives/step | exposed communication (ms/step) | matmuls (ms/step) | vs achievable |"
+        "collectives/step | exposed communication (ms/step) | matmuls (ms/step) | vs achievable | "
+        "vs two-way contention |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = [
         dict(
             config=c.name,
@@ -351,6 +361,8 @@ def run_model(
             matmul_ms=c.matmul_ms,
             alone_ms=c.alone_ms,
             achievable_ms=achievable_ms(busy, c.alone_ms),
+            alone_busy_ms=c.alone_busy_ms,
+            contended_ms=contended_ms(compute, busy, c.alone_ms, c.alone_busy_ms),
         )
         for c in configs
     ]
@@ -359,7 +371,8 @@ def run_model(
         print(
             f"| {r['config']} | {r['median_ms']:.1f} | {r['vs_best_peer']:.2f}x | "
             f"{r['vs_bound']:.2f}x | {r['collectives']:g} | {r['mb']:.1f} | {exposed} | "
-            f"{r['matmul_ms']:.1f} | {vs_achievable(r['median_ms'], r['achievable_ms'])} |"
+            f"{r['matmul_ms']:.1f} | {vs_achievable(r['median_ms'], r['achievable_ms'])} | "
+            f"{vs_achievable(r['median_ms'], r['contended_ms'])} |"
         )
     print(
         f"\n{INT8}: {median[INT8] / median[OURS[0]]:.2f}x {OURS[0]} (int8 with error feedback "
@@ -383,7 +396,14 @@ def run_model(
         f"of {elements / 1e6:.2f}M bf16 elements, which also took {wire_cpu:.1f} ms of CPU time "
         "in each rank's process. Achievable per row: the larger of its collectives alone (the "
         "same collectives issued back to back with nothing else) and "
-        f"{TRAFFIC_ROW!r} ({busy:.1f} ms), what this machine allows the step."
+        f"{TRAFFIC_ROW!r} ({busy:.1f} ms), what this machine allows the step. Two-way "
+        "contention per row: the least step of achievable.contended_ms, from the compute alone, "
+        "that, the row's collectives alone and the same with the compute alone running "
+        "alongside ("
+        + ", ".join(
+            "-" if r["alone_busy_ms"] is None else f"{r['alone_busy_ms']:.0f}" for r in rows
+        )
+        + " ms per row)."
     )
     return results.table(
         f"{model} ({tensors} tensors, {(elements - 1) / 1e6:.2f}M parameters)",

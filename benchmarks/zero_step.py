@@ -55,8 +55,11 @@ import results
 from achievable import (
     TRAFFIC_ROW,
     achievable_ms,
-    collectives_alone_ms,
     compute_busy_ms,
+    contended_ms,
+    record_collectives,
+    replay_ms,
+    under_compute_ms,
     vs_achievable,
 )
 from launch import add_link_argument, add_smoke_argument, apply_smoke, describe_link, launch
@@ -311,9 +314,13 @@ def run(
     # every configuration trains the same model on the same data: how far apart did they end?
     flat = [torch.cat([p.detach().reshape(-1) for p in c.net.parameters()]) for c in configs]
     world = dist.get_world_size()
-    collectives_alone = {c.name: collectives_alone_ms(c.step, world) for c in configs}
+    calls = {c.name: record_collectives(c.step, world) for c in configs}
+    collectives_alone = {name: replay_ms(calls[name], world) for name in calls}
     compute = next(c for c in configs if c.name == COMPUTE)
     busy = compute_busy_ms(compute.step, compute.times, traffic, link)
+    # every rank replays the collectives
+    under_compute = {name: under_compute_ms(calls[name], world, compute.step) for name in calls}
+    compute_median_ms = statistics.median(compute.times) * 1e3
     tables = [
         kernel_table(c, profile(c.step, 10), 10) for c in configs if profiled and c.name in PROFILED
     ]
@@ -356,6 +363,10 @@ def run(
                 else None,
                 diff=((f - flat[0]).abs().max() / flat[0].abs().max()).item(),
                 achievable_ms=achievable_ms(busy, collectives_alone[c.name]),
+                alone_busy_ms=under_compute[c.name],
+                contended_ms=contended_ms(
+                    compute_median_ms, busy, collectives_alone[c.name], under_compute[c.name]
+                ),
             )
             for c, f in zip(configs, flat)
         ],
@@ -381,9 +392,10 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
         print(
             "| configuration | median step (ms) | vs first | optimizer step (ms, share of the "
             "step) | optimizer step alone, compute, profiled (ms, vs first) | collectives/step | "
-            "optimizer state per rank (MB) | max parameter difference vs first | vs achievable |"
+            "optimizer state per rank (MB) | max parameter difference vs first | vs achievable | "
+            "vs two-way contention |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             coll = "-" if r["collectives"] is None else r["collectives"]
             prof = (
@@ -393,7 +405,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
                 f"| {r['config']} | {r['median_ms']:.1f} | {r['ratio']:.2f}x | "
                 f"{r['optimizer_ms']:.1f} ({r['optimizer_ms'] / r['median_ms']:.0%}) | {prof} | "
                 f"{coll} | {r['state_mb']:.2f} | {r['diff']:.1e} | "
-                f"{vs_achievable(r['median_ms'], r['achievable_ms'])} |"
+                f"{vs_achievable(r['median_ms'], r['achievable_ms'])} | "
+                f"{vs_achievable(r['median_ms'], r['contended_ms'])} |"
             )
         print(
             "\noptimizer step: timed alone where it runs after backward; inside the compiled "
@@ -406,7 +419,13 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             "call) excluded. Achievable per row: the larger of its collectives alone (the same "
             f"collectives issued back to back with nothing else) and {TRAFFIC_ROW!r} with "
             f"'{COMPUTE}' ({busy:.1f} ms; the unsharded optimizer's compute, more than a sharded "
-            "one's), what this machine allows the step"
+            "one's), what this machine allows the step. Two-way contention per row: the least "
+            "step of achievable.contended_ms, from that compute alone, the same under traffic, "
+            "the row's collectives alone and the same with that compute running alongside ("
+            + ", ".join(
+                "-" if r["alone_busy_ms"] is None else f"{r['alone_busy_ms']:.0f}" for r in rows
+            )
+            + " ms per row)."
         )
         for table in tables:
             print(table)

@@ -29,6 +29,7 @@ SMOKE = {
     "fsdp_memory": None,  # test_benchmark_fsdp_memory.py runs its rows
     "fsdp_step": ["--smoke"],
     "gloo_collectives": ["--sizes-mb", "1", "--reps", "2", "--chunk-kib", "256"],
+    "gpu_step": ["--device", "cpu"],  # CI's CPU mode: the smallest sizes
     "pass_time": ["--calls", "20", "40", "--repeat", "1"],
     "powersgd": ["--smoke"],
     "projection": ["--params", "1e9", "--send-ns", "0.02", "--receive-ns", "0.01"],
