@@ -70,6 +70,7 @@ from achievable import (
     replay_ms,
     under_compute_ms,
 )
+from ddp_sync import MODELS
 from launch import (
     add_link_argument,
     add_smoke_argument,
@@ -88,7 +89,7 @@ from passes.testing import gathered_bytes_alive, partitioned_graphs
 INDUCTOR_FSDP_BUCKETING = {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all"}
 
 
-MLPS = {"mlp-2x64": (64, 2, 8), "mlp-8x1024": (1024, 8, 32)}  # width, depth, batch
+MLPS = ["mlp-2x64", "mlp-8x1024"]  # ddp_sync.py's models of these names
 
 
 def make_model(name: str, tag: int) -> tuple[nn.Module, list[nn.Module], torch.Tensor]:
@@ -96,7 +97,7 @@ def make_model(name: str, tag: int) -> tuple[nn.Module, list[nn.Module], torch.T
     its own (Dynamo would otherwise serve one configuration's graph to another)."""
     torch.manual_seed(0)
     if name in MLPS:
-        width, depth, batch = MLPS[name]
+        _, width, depth, batch = MODELS[name]
         model = nn.Sequential(
             *[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
         )
