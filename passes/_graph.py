@@ -51,7 +51,8 @@ SCALE_OPS = MUL_OPS + DIV_OPS
 def record(pass_name: str, event: str, node: Node | None = None) -> None:
     """Count ``event`` in ``counters["passes"]`` and log it (logger ``passes``, DEBUG)."""
     counters["passes"][f"{pass_name}: {event}"] += 1
-    log.debug("%s: %s%s", pass_name, event, f" at {node.name}" if node is not None else "")
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s: %s%s", pass_name, event, f" at {node.name}" if node is not None else "")
 
 
 def is_op(node: Any, ops: tuple) -> bool:

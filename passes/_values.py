@@ -1,5 +1,5 @@
 """New nodes with valid fake values (``meta["val"]``), cheaply where a pass makes many: a
-bucket's flat ``cat`` and its split back into pieces."""
+bucket's flat ``cat``, its split back into pieces, and views."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from torch.fx import Graph, Node
 
 from ._graph import VIEW_OPS, aten, is_op, val
 
+_VIEWS = (aten.view.default, aten.reshape.default)  # their values: view_value
+
 
 def new_node(
     graph: Graph,
@@ -23,8 +25,11 @@ def new_node(
     value: Any = None,
 ) -> Node:
     """Create ``target(*args, **kwargs)`` at the graph's insert point with a valid ``meta["val"]``:
-    ``value`` when the caller computed it, else propagated through the inputs' fake mode."""
+    ``value`` when the caller computed it, a view's by :func:`view_value`, else propagated
+    through the inputs' fake mode."""
     node = graph.create_node("call_function", target, args, kwargs or {}, name=name or None)
+    if value is None and target in _VIEWS and not kwargs:
+        value = view_value(val(args[0]), args[1])
     if value is not None:
         node.meta["val"] = value
         return node
@@ -61,20 +66,44 @@ def flat_value(like: FakeTensor, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
+def _meta_alias(value: Any) -> torch.Tensor | None:
+    """A plain meta tensor over a contiguous fake ``value``'s storage, with its layout (None for
+    anything else: a real tensor, a symbolic size, a layout a view could not keep). What a view
+    op gives on it is, wrapped in ``value``'s fake mode, the op's fake value: computed without
+    a propagation through the fake mode, which costs more than the rest of a node's creation."""
+    if not isinstance(value, FakeTensor) or not value.is_contiguous():
+        return None
+    if not all(isinstance(s, int) for s in (*value.shape, value.storage_offset())):
+        return None
+    alias = torch.empty((0,), dtype=value.dtype, device="meta")
+    return alias.set_(value.untyped_storage(), value.storage_offset(), value.shape, value.stride())
+
+
+def _wrap(value: FakeTensor, meta: torch.Tensor) -> FakeTensor:
+    # FakeTensor itself, not the converter's from_meta_and_device: that also enters each meta
+    # tensor in the converter's weak-keyed memo tables, and no one looks these values up again.
+    return FakeTensor(value.fake_mode, meta, value.device)
+
+
+def view_value(value: Any, shape: list[int]) -> torch.Tensor | None:
+    """The fake value of ``view(value, shape)`` (or ``reshape``, the same on a contiguous
+    tensor): a view of ``value``'s storage. None where :func:`_meta_alias` is, or ``shape`` is
+    not a list of ints: let the fake kernel do it."""
+    alias = _meta_alias(value)
+    if alias is None or not all(isinstance(s, int) for s in shape):
+        return None
+    return _wrap(value, alias.view(shape))
+
+
 def split_values(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor] | None:
     """The fake values of ``split_with_sizes(flat, sizes)`` for a contiguous 1-D fake ``flat``:
     views of its storage at the pieces' offsets, as the op gives (None for any other ``flat``:
-    let the fake kernel do it). Computed on a plain meta tensor over the same storage and
-    wrapped once each; the fake kernel costs a propagation per piece, linear in a bucket's
-    members with a large constant."""
-    mode = getattr(flat, "fake_mode", None)
-    if mode is None or flat.dim() != 1 or not flat.is_contiguous() or sum(sizes) != flat.numel():
+    let the fake kernel do it). The fake kernel costs a propagation per piece, linear in a
+    bucket's members with a large constant."""
+    alias = _meta_alias(flat)
+    if alias is None or flat.dim() != 1 or sum(sizes) != flat.numel():
         return None
-    base = torch.empty((0,), dtype=flat.dtype, device="meta")
-    base.set_(flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
-    # FakeTensor itself, not the converter's from_meta_and_device: that also enters each meta
-    # piece in the converter's weak-keyed memo tables, and no one looks these pieces up again.
-    return [FakeTensor(mode, piece, flat.device) for piece in torch.split_with_sizes(base, sizes)]
+    return [_wrap(cast(FakeTensor, flat), piece) for piece in torch.split_with_sizes(alias, sizes)]
 
 
 def split_node(graph: Graph, flat: Node, sizes: list[int], name: str) -> Node:

@@ -4,12 +4,20 @@ import torch.distributed as dist
 
 from passes.testing import fake_process_group
 
-SUMMARY: list[str] = []  # lines tests want in the terminal summary (seeds, counts)
+
+@pytest.fixture
+def summary(request):
+    """``summary(line)``: a line for the terminal summary (seeds, counts). It travels in the
+    test's report, so it is printed when the test ran in a pytest-xdist worker too."""
+    return lambda line: request.node.user_properties.append(("summary", line))
 
 
 def pytest_terminal_summary(terminalreporter):
-    for line in SUMMARY:
-        terminalreporter.write_line(line)
+    for outcome in ("passed", "failed"):
+        for report in terminalreporter.stats.get(outcome, []):
+            for key, line in getattr(report, "user_properties", ()):
+                if key == "summary":
+                    terminalreporter.write_line(line)
 
 
 @pytest.fixture

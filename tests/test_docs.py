@@ -60,7 +60,9 @@ def test_files_the_readme_commands_name_exist():
     for path in named:
         assert (ROOT / path).exists(), path
     assert re.search(
-        r"^pip install torch==2\.13\.0 -e \"\.\[test\]\" && python -m pytest$", commands, flags=re.M
+        r"^pip install torch==2\.13\.0 -e \"\.\[test\]\" && python -m pytest -n 2$",
+        commands,
+        flags=re.M,
     )
     assert re.search(
         r"^pip install torch==2\.13\.0 -e \. && python examples/train_ddp\.py$",

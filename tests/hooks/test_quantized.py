@@ -2,6 +2,7 @@
 what rounding drops, residuals through state_dict, non-finite steps, and the hook in DDP (both
 reducers), data_parallel and FSDP2."""
 
+import contextlib
 import re
 
 import pytest
@@ -314,8 +315,9 @@ def test_compiled_ddp_with_error_feedback_matches_eager():
 
 
 def _training_worker(rank, world_size, steps):
-    """The main example's training (compiled DDP, the passes, AdamW) with the bf16 hook and with
-    the int8 hook: per run the losses averaged over the ranks, and the final parameters."""
+    """The main example's training (AdamW) with the bf16 hook, eager (the reference), and with
+    the int8 hook, compiled DDP with the passes: per run the losses averaged over the ranks,
+    and the final parameters."""
     import sys
 
     import passes
@@ -328,17 +330,21 @@ def _training_worker(rank, world_size, steps):
         ("bf16", ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook),
         ("int8", ch.QuantizedState(dist.group.WORLD), ch.int8_compress_hook),
     ]:
-        torch._dynamo.reset()  # each run compiles its own backward
+        torch._dynamo.reset()
         torch.manual_seed(0)
         net = TinyTransformer()
-        _, model = ch.compile_ddp(net, state, hook)
+        ddp, compiled = ch.compile_ddp(net, state, hook)
+        model = compiled if name == "int8" else ddp  # the python reducer runs the hook eagerly
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         for p in net.parameters():
             p.grad = torch.zeros_like(p)
         losses = []
         for step in range(steps):
             opt.zero_grad(set_to_none=False)
-            with passes.install(), ch.compiled_autograd():
+            with contextlib.ExitStack() as stack:
+                if name == "int8":
+                    stack.enter_context(passes.install())
+                    stack.enter_context(ch.compiled_autograd())
                 loss = loss_fn(model, *batch(rank, step))
                 loss.backward()
             opt.step()
@@ -365,9 +371,9 @@ def test_training_ends_within_two_percent_of_bf16():
 
 
 def _data_parallel_training_worker(rank, world_size, steps):
-    """The main example's transformer under data_parallel, compiled with the passes: the bf16
-    hook, and int8 gradients (error feedback) with int8 weight gathers; per run the losses
-    averaged over the ranks and the final full parameters."""
+    """The main example's transformer under data_parallel: the bf16 hook, eager (the
+    reference), and int8 gradients (error feedback) with int8 weight gathers, compiled with the
+    passes; per run the losses averaged over the ranks and the final full parameters."""
     import sys
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -388,11 +394,11 @@ def _data_parallel_training_worker(rank, world_size, steps):
         torch.manual_seed(0)
         model = data_parallel(TinyTransformer(), mesh, gather_dtype=gather_dtype)
         register_comm_hook(model, state, hook)
-        run = torch.compile(model, fullgraph=True)
+        run = torch.compile(model, fullgraph=True) if name == "int8" else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for step in range(steps):
-            with passes.install():
+            with passes.install() if name == "int8" else contextlib.nullcontext():
                 loss = loss_fn(run, *batch(rank, step))
                 loss.backward()
             opt.step()

@@ -14,7 +14,6 @@ import passes
 from passes.schedule_collectives import schedule_problems
 from passes.testing import graph_str, trace
 from passes.verify import check_rewrite, copy_graph
-from tests.conftest import SUMMARY
 from tests.random_graphs import random_case, random_options
 
 COUNT = int(os.environ.get("RANDOM_GRAPHS", "200"))
@@ -40,7 +39,7 @@ def _pipelines(rng):
 
 
 @pytest.mark.slow
-def test_random_graphs():
+def test_random_graphs(summary):
     rng = random.Random(SEED)
     counters["passes"].clear()
     tally = {"graphs": 0, "rewritten": 0, "unchanged": 0}
@@ -77,7 +76,7 @@ def test_random_graphs():
                 raise AssertionError(f"{context}\n{e}") from None
     skipped = {k: v for k, v in counters["passes"].items() if "verify skipped" in k}
     assert not skipped, skipped
-    SUMMARY.append(
+    summary(
         f"randomized pass test: seed {SEED}, {tally['graphs']} graphs x 5 pipelines: "
         f"{tally['rewritten']} rewrites verified, {tally['unchanged']} left unchanged"
     )
