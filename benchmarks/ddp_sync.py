@@ -71,9 +71,11 @@ from achievable import (
     vs_achievable,
 )
 from launch import (
+    add_configs_argument,
     add_link_argument,
     add_smoke_argument,
     apply_smoke,
+    chosen_configs,
     describe_link,
     itemsize,
     launch,
@@ -432,7 +434,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {},
             args.link,
             traffic,
-            SMOKE if args.smoke else CONFIGS,
+            chosen_configs(args, CONFIGS, SMOKE),
         )
         for model in args.models
     ]
@@ -455,6 +457,7 @@ def main() -> None:
     )
     add_link_argument(parser)
     add_smoke_argument(parser)
+    add_configs_argument(parser, CONFIGS)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
     launch(_worker, apply_smoke(parser.parse_args(), models=["mlp-2x64"]))

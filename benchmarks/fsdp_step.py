@@ -72,9 +72,11 @@ from achievable import (
 )
 from ddp_sync import MODELS
 from launch import (
+    add_configs_argument,
     add_link_argument,
     add_smoke_argument,
     apply_smoke,
+    chosen_configs,
     describe_link,
     launch,
     link_bytes_per_s,
@@ -384,7 +386,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             args.steps,
             args.link,
             traffic,
-            SMOKE if args.smoke else CONFIGS,
+            chosen_configs(args, CONFIGS, SMOKE),
         )
         for model in args.models
         for d in args.param_dtypes
@@ -408,6 +410,7 @@ def main() -> None:
     )
     add_link_argument(parser)
     add_smoke_argument(parser)
+    add_configs_argument(parser, CONFIGS)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
     args = apply_smoke(parser.parse_args(), models=["mlp-2x64"], param_dtypes=["fp32"])

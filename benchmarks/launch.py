@@ -96,6 +96,26 @@ def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_configs_argument(parser: argparse.ArgumentParser, configs: list[str]) -> None:
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=configs,
+        metavar="CONFIG",
+        help="run these configurations besides those the report needs (default: every one; "
+        "with --smoke, only those the report needs): " + "; ".join(configs),
+    )
+
+
+def chosen_configs(args: argparse.Namespace, configs: list[str], needed: list[str]) -> list[str]:
+    """The configurations to run, in ``configs``' order: every one, or ``needed`` (what the
+    script's report reads) with ``--smoke``; with ``--configs``, ``needed`` and those."""
+    if args.configs is None and not args.smoke:
+        return list(configs)
+    wanted = {*needed, *(args.configs or ())}
+    return [c for c in configs if c in wanted]
+
+
 def apply_smoke(args: argparse.Namespace, **smallest: object) -> argparse.Namespace:
     """With ``--smoke``: 2 steps and ``smallest`` (a script's smallest model) in place of the
     parsed options; the script keeps only the configurations its report needs."""

@@ -7,7 +7,7 @@ Each graph is what a compiled DDP backward with ``bf16_compress_hook`` looks lik
 (:func:`ddp_backward`: every gradient computed, then reduced by the hook), traced with a fake
 process group (no processes). For each size: the node count, every pass's time in
 ``default_pipeline()`` order and the pipeline's total, as ``Pipeline.run`` reports them in
-``counters["passes"]`` (the total includes its sort and lint; medians of ``--repeat`` fresh
+``counters["passes"]`` (the total includes its sort and order check; medians of ``--repeat`` fresh
 copies, each run after a full garbage collection, the sizes taking turns), and between the
 smallest and the largest graph the growth exponent ``log(t2/t1) / log(n2/n1)`` (1.0 is linear),
 and the pipeline's time per node at every size (flat where it is linear). Beside them, the

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
 from compiled_hooks import compat
 from compiled_hooks.graph_contract import CHECK_RANKS_ENV, VERIFY_ENV, env_flag
@@ -65,13 +65,15 @@ def _flag(name: str, value: Any, env: str) -> bool:
     return value
 
 
-def _in_topological_order(graph: Graph) -> bool:
+def _out_of_order(graph: Graph) -> Node | None:
+    """The first node that reads a node not before it in ``graph`` (one later, erased, or of
+    another graph); None when every input comes first."""
     seen: set = set()
     for node in graph.nodes:
         if not seen.issuperset(node.all_input_nodes):
-            return False
+            return node
         seen.add(node)
-    return True
+    return None
 
 
 def keep_collective_inputs_dense(graph: Graph) -> None:
@@ -155,10 +157,11 @@ class Pipeline(compat.CustomGraphPass):
         self.run(graph)
 
     def run(self, graph: Graph) -> bool:
-        """Run every pass; True when any changed the graph (which is then linted once). With
-        ``verify``, every change is checked by :func:`passes.verify.check_rewrite`. Each pass's
-        time adds to ``counters["passes"]["<pass>: us"]``, the whole run's (sort and lint
-        included) to ``counters["passes"]["pipeline: us"]``."""
+        """Run every pass; True when any changed the graph (which is then checked once: every
+        input defined before its reader). With ``verify``, every change is linted and checked by
+        :func:`passes.verify.check_rewrite`. Each pass's time adds to
+        ``counters["passes"]["<pass>: us"]``, the whole run's (sort and check included) to
+        ``counters["passes"]["pipeline: us"]``."""
         check_graph("Pipeline", graph)
         # Without the cyclic garbage collector: the passes allocate many small objects (nodes,
         # fake tensors) and free almost none, so every collection they trigger is wasted work
@@ -179,7 +182,7 @@ class Pipeline(compat.CustomGraphPass):
         # Inductor's own DDP pass (schedule_comm_wait) can hand over a graph whose nodes are not
         # in topological order (Inductor sorts only after the custom pass); sort it first, the
         # same stable way, so the passes see a valid order.
-        if not _in_topological_order(graph):
+        if _out_of_order(graph) is not None:
             stable_topological_sort(graph)
         changed = False
         for p, interface in zip(self.passes, self.interfaces):
@@ -193,8 +196,14 @@ class Pipeline(compat.CustomGraphPass):
                 graph.lint()
                 check_rewrite(interface.name, before, graph)
             changed |= bool(changed_now)
-        if changed and not self.verify:
-            graph.lint()
+        # Every input defined before its reader: what a rewrite can break. Inductor lints the
+        # whole graph after its post-grad passes; verify lints after each pass.
+        broken = _out_of_order(graph) if changed and not self.verify else None
+        if broken is not None:
+            raise RuntimeError(
+                f"Pipeline: after the passes, {broken.name} reads a value not defined before it; "
+                "Pipeline(..., verify=True) names the pass"
+            )
         keep_collective_inputs_dense(graph)
         if self.check_ranks:
             t0 = time.perf_counter()

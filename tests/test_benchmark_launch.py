@@ -62,3 +62,23 @@ def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch):
     assert parser.parse_args(["--json", "out.json"]).plot is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--plot", "out.png"])
+
+
+@pytest.mark.parametrize(
+    "argv,chosen",
+    [
+        ([], ["a", "b", "c", "d"]),
+        (["--smoke"], ["b", "d"]),
+        (["--configs", "c"], ["b", "c", "d"]),
+        (["--smoke", "--configs", "a"], ["a", "b", "d"]),
+    ],
+)
+def test_chosen_configs_keep_what_the_report_needs_in_order(argv, chosen):
+    parser = argparse.ArgumentParser()
+    launch.add_smoke_argument(parser)
+    launch.add_configs_argument(parser, ["a", "b", "c", "d"])
+    assert (
+        launch.chosen_configs(parser.parse_args(argv), ["a", "b", "c", "d"], ["d", "b"]) == chosen
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--configs", "e"])

@@ -30,6 +30,8 @@ SMOKE = {
     "fsdp_step": ["--smoke"],
     "gloo_collectives": ["--sizes-mb", "1", "--reps", "2", "--chunk-kib", "256"],
     "gpu_step": ["--device", "cpu"],  # CI's CPU mode: the smallest sizes
+    # one rate, ddp_sync --smoke, the projection beside it
+    "link_sweep": ["--smoke", "--benchmarks", "ddp_sync", "--send-ns", "2", "--receive-ns", "1"],
     "pass_time": ["--calls", "20", "40", "--repeat", "1"],
     "powersgd": ["--smoke"],
     "projection": ["--params", "1e9", "--send-ns", "0.02", "--receive-ns", "0.01"],

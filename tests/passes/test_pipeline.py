@@ -256,6 +256,25 @@ def test_an_unsorted_graph_is_sorted_before_the_passes():
     gm.graph.lint()
 
 
+def test_a_pass_that_leaves_a_read_before_its_value_is_named():
+    """A rewrite that moves a value after its reader (or erases one still read) fails the run,
+    naming the reader, before Inductor sees the graph."""
+    from passes.interface import graph_pass
+    from passes.testing import trace
+    from tests.graphs import ddp_args, ddp_fn
+
+    @graph_pass()
+    def misplace_a_wait(graph):
+        wait = next(n for n in graph.nodes if "wait_tensor" in str(n.target))
+        [n for n in graph.nodes if n.op != "output"][-1].append(wait)
+        return True
+
+    fake_process_group(4)
+    gm = trace(ddp_fn("bf16"), *ddp_args([(8,), (4, 2), (3,)]), world_size=4)
+    with pytest.raises(RuntimeError, match=r"Pipeline: after the passes, \w+ reads a value not"):
+        Pipeline([misplace_a_wait]).run(gm.graph)
+
+
 def test_install_keeps_the_communication_schedule_unless_the_process_set_its_own():
     assert not inductor_config.reorder_for_compute_comm_overlap
     assert inductor_config.reorder_for_peak_memory
