@@ -71,9 +71,12 @@ def _meta_alias(value: Any) -> torch.Tensor | None:
     anything else: a real tensor, a symbolic size, a layout a view could not keep). What a view
     op gives on it is, wrapped in ``value``'s fake mode, the op's fake value: computed without
     a propagation through the fake mode, which costs more than the rest of a node's creation."""
-    if not isinstance(value, FakeTensor) or not value.is_contiguous():
+    if not isinstance(value, FakeTensor):
         return None
+    # sizes first: a symbolic size's contiguity would be a guard, not a bool
     if not all(isinstance(s, int) for s in (*value.shape, value.storage_offset())):
+        return None
+    if not value.is_contiguous():
         return None
     alias = torch.empty((0,), dtype=value.dtype, device="meta")
     return alias.set_(value.untyped_storage(), value.storage_offset(), value.shape, value.stride())

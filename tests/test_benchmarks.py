@@ -24,7 +24,7 @@ SCRIPTS = sorted(
 
 # each script's smallest configuration; None: not run here (the comment says why)
 SMOKE = {
-    "ddp_sync": ["--smoke"],
+    "ddp_sync": None,  # link_sweep's smoke runs ddp_sync --smoke (over a shaped link)
     "fsdp_2d": ["--smoke"],
     "fsdp_memory": None,  # test_benchmark_fsdp_memory.py runs its rows
     "fsdp_step": ["--smoke"],
@@ -74,5 +74,8 @@ def test_smallest_configuration_runs(script):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
-    if SMOKE[script] == ["--smoke"]:  # a step benchmark's report: its table
+    if "--smoke" in SMOKE[script]:  # a step benchmark's report: its table
         assert "|---|" in proc.stdout, proc.stdout[-4000:]
+    if script == "link_sweep":  # ddp_sync's own report, then the sweep's
+        assert proc.stdout.count("| compiled + int8 hook + passes |") == 1, proc.stdout[-4000:]
+        assert "ddp_sync: int8 pays at" in proc.stdout, proc.stdout[-4000:]
