@@ -58,7 +58,7 @@ ROWS = {
 
 def run_point(benchmark: str, rate: str, steps: int, smoke: bool) -> dict[str, float]:
     """One run of ``benchmark`` on a ``rate`` link: the median step of each of its rows."""
-    bf16, int8, model = ROWS[benchmark]
+    _, int8, model = ROWS[benchmark]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         size = ["--smoke"] if smoke else ["--steps", str(steps), *model]
@@ -76,11 +76,15 @@ def params(model: str) -> int:
     return depth * width * (width + 1)
 
 
-def projected_ms(model: str, rate: str, send_ns: float, receive_ns: float, bf16_ns: float) -> float:
-    """``projection.py``'s int8 minus bf16 communication time per step, serialized, 2 ranks."""
+def bytes_per_s(rate: str) -> float:
     link = link_bytes_per_s(rate)
     assert link is not None, "link_rate accepts only rates"
-    p = project(params(model), 2, link, send_ns, receive_ns, False, bf16_ns)
+    return link
+
+
+def projected_ms(model: str, rate: str, send_ns: float, receive_ns: float, bf16_ns: float) -> float:
+    """``projection.py``'s int8 minus bf16 communication time per step, serialized, 2 ranks."""
+    p = project(params(model), 2, bytes_per_s(rate), send_ns, receive_ns, False, bf16_ns)
     return (p.int8 - p.bf16) * 1e3
 
 
@@ -93,7 +97,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
             row = {
                 "config": f"{benchmark} at {rate}",
                 "benchmark": benchmark,
-                "gbit_s": link_bytes_per_s(rate) * 8 / 1e9,  # type: ignore[operator]
+                "gbit_s": bytes_per_s(rate) * 8 / 1e9,
                 "bf16_ms": medians[bf16],
                 "median_ms": medians[int8],
                 "int8_over_bf16": medians[int8] / medians[bf16],
@@ -175,7 +179,7 @@ def main() -> None:
     parser.add_argument("--benchmarks", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--send-ns", type=float, help="ns per value: int8 quantize, feedback")
-    parser.add_argument("--receive-ns", type=float, default=0.0, help="ns per value: dequantize")
+    parser.add_argument("--receive-ns", type=float, help="ns per value: int8 dequantize and sum")
     parser.add_argument("--bf16-ns", type=float, default=0.0, help="ns per value: bf16 cast")
     parser.add_argument(
         "--smoke",
@@ -184,6 +188,8 @@ def main() -> None:
     )
     results.add_output_arguments(parser)
     args = parser.parse_args()
+    if (args.send_ns is None) != (args.receive_ns is None):
+        parser.error("--send-ns and --receive-ns go together (the projection needs both)")
     args.model = SMOKE_MODEL if args.smoke else MODEL
     if args.smoke:
         args.rates = args.rates[:1]
