@@ -93,6 +93,7 @@ MODELS = {
     "transformer-small": ("transformer", 64, 4, 8),
     "transformer-medium": ("transformer", 256, 4, 8),
 }
+SMOKE_MODEL = "mlp-2x64"  # --smoke's model, here and in the scripts that take these models
 PEERS = ["eager DDP", "eager DDP + torch fp16 hook", "compiled + bf16 hook + torch bucketing"]
 OURS = ["compiled + bf16 hook + passes"]
 INT8 = "compiled + int8 hook + passes"
@@ -460,7 +461,7 @@ def main() -> None:
     add_configs_argument(parser, CONFIGS)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
-    launch(_worker, apply_smoke(parser.parse_args(), models=["mlp-2x64"]))
+    launch(_worker, apply_smoke(parser.parse_args(), models=[SMOKE_MODEL]))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ from achievable import (
     replay_ms,
     under_compute_ms,
 )
-from ddp_sync import MODELS
+from ddp_sync import MODELS, SMOKE_MODEL
 from launch import (
     add_configs_argument,
     add_link_argument,
@@ -413,7 +413,7 @@ def main() -> None:
     add_configs_argument(parser, CONFIGS)
     results.add_output_arguments(parser)
     parser.set_defaults(world_size=2)
-    args = apply_smoke(parser.parse_args(), models=["mlp-2x64"], param_dtypes=["fp32"])
+    args = apply_smoke(parser.parse_args(), models=[SMOKE_MODEL], param_dtypes=["fp32"])
     launch(_worker, args)
 
 

@@ -35,12 +35,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import results
-from ddp_sync import MODELS
+from ddp_sync import MODELS, SMOKE_MODEL
 from launch import link_bytes_per_s, link_rate
 from projection import project
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL, SMOKE_MODEL = "mlp-8x1024", "mlp-2x64"  # the benchmarks' own --smoke model
+MODEL = "mlp-8x1024"
 # benchmark -> (its bf16 row, its int8 row, its options for the model)
 ROWS = {
     "ddp_sync": (
