@@ -432,7 +432,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             rank,
             model,
             args.steps,
-            {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {},
+            _pipeline_options(args),
             args.link,
             traffic,
             chosen_configs(args, CONFIGS, SMOKE),
@@ -442,6 +442,12 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     if rank == 0:
         results.write(args, "ddp_sync", describe_link(), tables)
     return True
+
+
+def _pipeline_options(args: argparse.Namespace) -> dict:
+    """The passes' options the command line sets."""
+    names = ("bucket_cap_mb", "quantized_bucket_cap_mb")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 def main() -> None:
@@ -455,6 +461,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--bucket-cap-mb", type=float, help="the passes' bucket cap (default: the pipeline's)"
+    )
+    parser.add_argument(
+        "--quantized-bucket-cap-mb",
+        type=float,
+        help="the passes' bucket cap for int8 collectives (default: the pipeline's)",
     )
     add_link_argument(parser)
     add_smoke_argument(parser)

@@ -39,6 +39,7 @@ from .registration import Installation, install
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update
+from .sink_quantized_receives import sink_quantized_receives
 from .verify import PassVerificationError
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "fuse_cat_prologue",
     "bucket_low_rank_factors",
     "bucket_quantized_collectives",
+    "sink_quantized_receives",
     "interleave_zero_broadcasts",
     "schedule_collectives",
     "bucket_block_all_gathers",

@@ -8,12 +8,8 @@ in between separates them), up to ``bucket_cap_mb`` of wire bytes; the first buc
 as soon as it holds ``first_bucket_cap_mb`` (DDP's rule), so a gradient larger than that cap
 goes out in it.
 The default cap (``bucket_cap_mb=None``) is derived from the graph: a quarter of the wire
-bytes of the candidates of that kind, between 2 MB and 25 MB (DDP's default). Gradient
-traffic can start only once backward has produced the first bucket and the last bucket's
-wire time is exposed after the last gradient, so about four buckets keep the link busy from
-early in backward while a bandwidth-bound step waits only for the last quarter; the 2 MB
-floor keeps each collective's fixed cost small against its wire time, so a small model gets
-one to three buckets.
+bytes of the candidates of that kind, between 2 MB and 25 MB (DDP's default)
+(:func:`passes._bucket.derived_cap`), so a small model gets one to three buckets.
 
 For two gradients ``a`` and ``b`` (after ``fold_collective_scaling``)::
 
@@ -51,7 +47,7 @@ from typing import Any
 
 from torch.fx import Graph, Node
 
-from ._bucket import is_compressed, merge_chains
+from ._bucket import derived_cap, is_compressed, merge_chains
 from ._graph import Chain, block_of, chains, check_graph, is_collective, record, val
 from .interface import graph_pass
 
@@ -70,9 +66,6 @@ def _key(chain: Chain) -> tuple[Any, ...]:
     )
 
 
-DERIVED_BUCKETS, MIN_CAP_MB, MAX_CAP_MB = 4, 2.0, 25.0
-
-
 def _wire_bytes(chain: Chain) -> int:
     inp = val(chain.collective.args[0])
     return inp.numel() * inp.element_size()
@@ -87,10 +80,7 @@ def _caps(
         total[keys[node]] = total.get(keys[node], 0) + n
     if cap_mb is not None:
         return {k: cap_mb * 2**20 for k in total}
-    return {
-        k: min(max(t / DERIVED_BUCKETS, MIN_CAP_MB * 2**20), MAX_CAP_MB * 2**20)
-        for k, t in total.items()
-    }
+    return {k: derived_cap(t) for k, t in total.items()}
 
 
 def _buckets(

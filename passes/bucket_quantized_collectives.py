@@ -6,7 +6,9 @@ with one ``all_to_all`` and, in its all-reduce form, gathers the re-quantized sh
 compiled DDP backward that is two collectives per parameter; ``data_parallel``'s int8 weight
 gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pass merges the
 collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
-graph) into buckets of at most ``quantized_bucket_cap_mb``: the members' rows side by side (a
+graph) into buckets of at most ``quantized_bucket_cap_mb`` (by default a quarter of that kind's
+bytes, between 2 and 25 MiB: :func:`passes._bucket.derived_cap`), so that the first buckets go
+out while the backward still runs: the members' rows side by side (a
 ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a member packed by a cat of
 its own, as :func:`compiled_hooks.int8.codec.pack` does on CPU, gives that cat's inputs,
 so a bucket is one cat), one collective, and each member reads its columns back (a contiguous
@@ -45,6 +47,7 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import DEQUANTIZE_PACKED
 
+from ._bucket import derived_cap
 from ._graph import (
     ALL_GATHER,
     ALL_TO_ALL,
@@ -65,13 +68,13 @@ from .interface import graph_pass
 __all__ = ["bucket_quantized_collectives"]
 
 PASS = "bucket_quantized_collectives"
-DEFAULT_CAP_MB = 25.0  # DDP's default bucket size
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     quantized_bucket_cap_mb: float | None = None
-    """Cap of one bucket's int8 input in MiB; None: 25 MiB, DDP's default."""
+    """Cap of one bucket's int8 input in MiB; None derives it from the graph, as
+    ``bucket_compressed_collectives`` does."""
 
 
 def _member(n: Node) -> bool:
@@ -100,21 +103,26 @@ def _key(n: Node) -> tuple:
     return (n.target, block_of(n), *(tuple(a) if isinstance(a, list) else a for a in n.args[1:]))
 
 
-def _buckets(graph: Graph, cap_bytes: float) -> list[list[Node]]:
-    """Members in graph order, by kind and group, cut where the cap would be passed."""
+def _buckets(graph: Graph, cap_mb: float | None) -> list[list[Node]]:
+    """Members in graph order, by kind and group, cut where the cap would be passed: ``cap_mb``,
+    or derived per kind and group from its members' bytes (:func:`passes._bucket.derived_cap`)."""
+    members = [n for n in calls(graph, (ALL_TO_ALL, ALL_GATHER)) if _member(n)]
+    keys = [_key(n) for n in members]
+    nbytes = [val(n.args[0]).numel() for n in members]
+    total: dict[tuple, int] = {}
+    for key, b in zip(keys, nbytes):
+        total[key] = total.get(key, 0) + b
+    cap = {k: derived_cap(t) if cap_mb is None else cap_mb * 2**20 for k, t in total.items()}
     open_: dict[tuple, list[Node]] = {}
     size: dict[tuple, int] = {}
     done: list[list[Node]] = []
-    for n in calls(graph, (ALL_TO_ALL, ALL_GATHER)):
-        if not _member(n):
-            continue
-        key, nbytes = _key(n), val(n.args[0]).numel()
-        if key in open_ and size[key] + nbytes > cap_bytes:
+    for n, key, b in zip(members, keys, nbytes):
+        if key in open_ and size[key] + b > cap[key]:
             done.append(open_.pop(key))
         if key not in open_:
             open_[key], size[key] = [], 0
         open_[key].append(n)
-        size[key] += nbytes
+        size[key] += b
     return [b for b in done + list(open_.values()) if len(b) > 1]
 
 
@@ -191,10 +199,11 @@ def bucket_quantized_collectives(
     """Merge the int8 collectives of one kind and group into buckets (see the module
     docstring). Returns True when the graph changed."""
     check_graph(PASS, graph)
-    cap_mb = DEFAULT_CAP_MB if quantized_bucket_cap_mb is None else quantized_bucket_cap_mb
-    cap = cap_mb * 2**20
+    if quantized_bucket_cap_mb is not None and quantized_bucket_cap_mb <= 0:
+        raise ValueError(f"{PASS}: the bucket cap must be positive, got {quantized_bucket_cap_mb}")
     changed = False
     for target in (ALL_TO_ALL, ALL_GATHER):  # the gathers follow the all-to-alls' results
-        for bucket in [b for b in _buckets(graph, cap) if b[0].target is target]:
+        buckets = _buckets(graph, quantized_bucket_cap_mb)
+        for bucket in [b for b in buckets if b[0].target is target]:
             changed |= _merge(graph, bucket)
     return changed

@@ -47,6 +47,7 @@ from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update as shard_weight_update_pass
+from .sink_quantized_receives import sink_quantized_receives
 from .verify import check_rewrite, copy_graph
 
 __all__ = ["Pipeline", "default_pipeline"]
@@ -237,8 +238,8 @@ def default_pipeline(
 ) -> Pipeline:
     """``all_to_all_weight_update``, ``fold_collective_scaling``, ``bucket_block_all_gathers``,
     ``bucket_block_reduce_scatters``, ``bucket_compressed_collectives``,
-    ``bucket_low_rank_factors``, ``bucket_quantized_collectives``, ``fuse_cat_prologue``,
-    ``interleave_zero_broadcasts``, ``schedule_collectives``,
+    ``bucket_low_rank_factors``, ``bucket_quantized_collectives``, ``sink_quantized_receives``,
+    ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
     ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``,
     ``reduce_scatter_as_all_to_all`` (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``
     (the three gloo rewrites'), ``all_gather_backends``, ``avg_backends``, ``bucket_cap_mb``,
@@ -255,6 +256,7 @@ def default_pipeline(
         bucket_compressed_collectives,
         bucket_low_rank_factors,
         bucket_quantized_collectives,
+        sink_quantized_receives,
         fuse_cat_prologue,
         interleave_zero_broadcasts,
         schedule_collectives,

@@ -186,6 +186,7 @@ def schedule_problems(graph: Graph) -> list[str]:
         "bucket_block_all_gathers",
         "bucket_block_reduce_scatters",
         "bucket_quantized_collectives",
+        "sink_quantized_receives",
         "interleave_zero_broadcasts",
     )
 )

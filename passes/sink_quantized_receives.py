@@ -1,0 +1,138 @@
+"""sink_quantized_receives: the receive side of an int8 collective waits until nothing left to
+compute needs it.
+
+``int8_compress_hook`` (:mod:`compiled_hooks.int8.hook`) writes each gradient's whole round
+trip where the hook is called, in the middle of a compiled backward: quantize, all-to-all,
+then at once its wait, the dequantize and sum, the shard's re-quantization (its residual kept,
+a side effect) and the all-gather. The wait blocks the backward on the wire, and
+``schedule_collectives`` cannot sink it: its first use is the dequantize, and the residual's
+keep stops anything from moving. This pass moves each int8 collective's wait and everything
+that depends on it down, in graph order, to just before the first node that must stay after
+them, so the rest of the backward runs while the rows are on the wire::
+
+    before                                     after
+    g1 = mm(...)                               g1 = mm(...)
+    a1 = all_to_all(pack(quantize(g1)))        a1 = all_to_all(pack(quantize(g1)))
+    w1 = wait_tensor(a1)                       g2 = mm(...)                 # a1 on the wire
+    s1 = quantize(sum(dequantize(w1)))         a2 = all_to_all(pack(quantize(g2)))
+    quantized_keep_error(s1, ...)              w1 = wait_tensor(a1)
+    b1 = all_gather(pack(s1))                  s1 = quantize(sum(dequantize(w1)))
+    g2 = mm(...)                               quantized_keep_error(s1, ...)
+    a2 = all_to_all(pack(quantize(g2)))        b1 = all_gather(pack(s1))    # a2 on the wire
+    w2 = wait_tensor(a2)                       w2 = wait_tensor(a2)
+    ...                                        ...
+    return ...                                 return ...
+
+What moves: the waits of int8 collectives (``graph_contract.INT8``, outside a
+``data_parallel`` block, whose own passes place its collectives) and the nodes that depend on
+them, while each is pure, a functional collective or its wait, or a residual's read or keep
+(``graph_contract.QUANTIZED_ERROR`` / ``QUANTIZED_KEEP_ERROR``). What they move past: pure
+nodes, our own parallelism's collectives and waits, and residual ops on other residuals (a
+residual op touches only its slot, ``(state, key, part)``, so ops on different slots commute).
+Anything else stops them: a write, another side effect, another parallelism's collective, a
+residual op on a slot they touch, or a dependent that cannot move. Values are the same; every
+node keeps its inputs, and nodes that move keep their order. Collective order changes, the same
+on every rank (it is a function of the graph). Idempotent: a second run finds every receive
+side already at its stop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.fx import Graph, Node
+
+from compiled_hooks.graph_contract import QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR
+
+from ._graph import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    WAIT,
+    block_of,
+    calls,
+    check_graph,
+    is_collective,
+    is_op,
+    is_quantized,
+    record,
+)
+from ._traversal import mutates
+from .interface import graph_pass
+
+__all__ = ["sink_quantized_receives"]
+
+PASS = "sink_quantized_receives"
+RESIDUAL_OPS = (QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR)
+
+
+def _slot(node: Node) -> tuple[Any, ...] | None:
+    """The residual a read or keep op touches: ``(state_id, key, part)``; None for other nodes."""
+    return tuple(node.args[1:4]) if is_op(node, RESIDUAL_OPS) else None
+
+
+def _starts(graph: Graph) -> set[Node]:
+    """The waits of the int8 collectives outside any data_parallel block."""
+    return {
+        next(iter(n.users))
+        for n in calls(graph, (ALL_TO_ALL, ALL_GATHER))
+        if is_quantized(n)
+        and block_of(n) is None
+        and len(n.users) == 1
+        and is_op(next(iter(n.users)), (WAIT,))
+    }
+
+
+def _may_move(node: Node) -> bool:
+    """A dependent of a receive that may move with it."""
+    if node.op != "call_function":
+        return False
+    if is_op(node, (WAIT, *RESIDUAL_OPS)) or is_collective(node):
+        return True
+    return not mutates(node) and not node.is_impure()
+
+
+def _may_pass(node: Node, slots: set[tuple[Any, ...]]) -> bool:
+    """A node the moving ones may go below: it neither writes what they read nor orders a side
+    effect with theirs."""
+    if node.op in ("placeholder", "get_attr"):
+        return True
+    if node.op != "call_function":
+        return False  # output, or a module or method call the pass cannot see into
+    slot = _slot(node)
+    if slot is not None:
+        return slot not in slots
+    if is_op(node, (WAIT,)) or is_collective(node):
+        return True
+    return not mutates(node) and not node.is_impure()
+
+
+@graph_pass(after=("bucket_quantized_collectives",))
+def sink_quantized_receives(graph: Graph) -> bool:
+    """Move the receive side of every int8 collective down to its first stop (see the module
+    docstring). One walk over the graph. Returns True when the graph changed."""
+    check_graph(PASS, graph)
+    starts = _starts(graph)
+    if not starts:
+        return False
+    held: dict[Node, None] = {}  # the nodes on their way down, in graph order
+    slots: set[tuple[Any, ...]] = set()  # the residuals they touch
+    passed = False  # whether a node stays above them since the walk began holding
+    changed = False
+    for node in list(graph.nodes):
+        depends = node in starts or any(i in held for i in node.all_input_nodes)
+        if depends and _may_move(node):
+            held[node] = None
+            slot = _slot(node)
+            if slot is not None:
+                slots.add(slot)
+            continue
+        if not held or (not depends and _may_pass(node, slots)):
+            passed |= bool(held)
+            continue
+        if passed:  # the stop: what is held goes right before it
+            for h in held:
+                node.prepend(h)
+            record(PASS, f"moved an int8 receive side of {len(held)} nodes down", node)
+            changed = True
+        held, slots, passed = {}, set(), False
+    return changed

@@ -1,0 +1,143 @@
+"""sink_quantized_receives on traced int8 hook calls (fake process group): every gradient's
+all-to-all goes out before the first one is waited, with the same values (simulated
+collectives); a write, a residual op on a slot the receive side touches, and data_parallel's
+collectives stop it or are left alone."""
+
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+import compiled_hooks as ch
+from compiled_hooks import ops
+from compiled_hooks.graph_contract import BLOCK, QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR
+from compiled_hooks.int8.state import SHARD
+from passes import bucket_quantized_collectives, sink_quantized_receives
+from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten
+from passes.testing import fake_process_group, graph_str, trace
+from passes.verify import check_rewrite, copy_graph
+from tests.passcase import PassTestCase
+from tests.passes import test_bucket_quantized_collectives
+
+
+def hook_graph(*args, **kwargs):
+    """:func:`tests.passes.test_bucket_quantized_collectives.hook_graph`, traced as Dynamo
+    traces the hook: the residuals through their read and keep ops."""
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        return test_bucket_quantized_collectives.hook_graph(*args, **kwargs)
+
+
+def positions(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def waits_of(gm, target):
+    return [next(iter(n.users)) for n in gm.graph.nodes if n.target is target]
+
+
+def slot_order(gm):
+    """Each residual slot's reads and keeps, in graph order."""
+    order: dict = {}
+    for n in gm.graph.nodes:
+        if n.target in (QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR):
+            order.setdefault(tuple(n.args[1:4]), []).append(n.name)
+    return order
+
+
+class TestSinkQuantizedReceives(PassTestCase):
+    def test_every_all_to_all_goes_out_before_the_first_wait_with_the_same_values(self):
+        for feedback in (False, True):
+            gm = hook_graph(feedback=feedback)
+            before, slots = copy_graph(gm.graph), slot_order(gm)
+            self.assertEqual(len(slots), 6 if feedback else 0)  # 3 gradients, 2 residuals each
+            at = positions(gm)
+            exchanges = [n for n in gm.graph.nodes if n.target is ALL_TO_ALL]
+            self.assertLess(at[next(iter(exchanges[0].users))], at[exchanges[1]])
+            self.assertRewrites(gm, sink_quantized_receives)
+            at = positions(gm)
+            last_issue = max(at[n] for n in gm.graph.nodes if n.target is ALL_TO_ALL)
+            self.assertTrue(all(at[w] > last_issue for w in waits_of(gm, ALL_TO_ALL)))
+            cos = [n for n in gm.graph.nodes if n.target is aten.cos.default]
+            self.assertTrue(all(at[w] > at[cos[-1]] for w in waits_of(gm, ALL_TO_ALL)))
+            self.assertEqual(slot_order(gm), slots)
+            self.assertTrue(check_rewrite("test", before, gm.graph))
+
+    def test_after_bucketing_and_in_the_reduce_scatter_form(self):
+        gm = hook_graph(shapes=((16,), (8,), (24,)), feedback=True)
+        bucket_quantized_collectives(gm.graph, quantized_bucket_cap_mb=100 / 2**20)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, sink_quantized_receives)
+        self.assertTrue(check_rewrite("test", before, gm.graph))
+        gm = hook_graph(shapes=((16,), (8,)), feedback=True, reduce_scatter=True)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, sink_quantized_receives)
+        self.assertTrue(check_rewrite("test", before, gm.graph))
+
+    def test_a_residual_op_on_a_slot_it_touches_stops_it(self):
+        """A later reader of the gradient's shard residual that does not depend on its
+        all-to-all must still read it after the keep: the receive side stops before it (and
+        without this stop would move past it, below the compute in between)."""
+        fake_process_group(2)
+        state = ch.QuantizedState(dist.group.WORLD, block_size=8)
+
+        def fn(a, b):
+            ch.int8_compress_hook(state, a, param="a")
+            return a, ops.quantized_error(b.cos(), state.state_id, "a", SHARD)
+
+        with mock.patch("torch.compiler.is_compiling", return_value=True):
+            gm = trace(fn, torch.randn(16), torch.randn(16), world_size=None)
+        self.assertTrue(sink_quantized_receives(gm.graph))  # below the cos, not the read
+        at = positions(gm)
+        (keep,) = [
+            n for n in gm.graph.nodes if n.target is QUANTIZED_KEEP_ERROR and n.args[3] == SHARD
+        ]
+        (peek,) = [
+            n
+            for n in gm.graph.nodes
+            if n.target is QUANTIZED_ERROR and n.args[0].target is aten.cos.default
+        ]
+        self.assertLess(at[peek.args[0]], at[keep])
+        self.assertLess(at[keep], at[peek])
+
+    def test_a_write_stops_it(self):
+        gm = hook_graph(shapes=((16,), (8,)))
+        nodes = list(gm.graph.nodes)
+        first_wait = waits_of(gm, ALL_TO_ALL)[0]
+        second = next(n for n in nodes[nodes.index(first_wait) :] if n.target is aten.cos.default)
+        placeholder = next(n for n in nodes if n.op == "placeholder")
+        with gm.graph.inserting_before(second):
+            write = gm.graph.call_function(aten.mul_.Tensor, (placeholder, 2.0))
+        sink_quantized_receives(gm.graph)
+        at = positions(gm)
+        gathers = [n for n in gm.graph.nodes if n.target is ALL_GATHER]
+        self.assertLess(at[first_wait], at[write])
+        self.assertLess(at[gathers[0]], at[write])
+
+    def test_data_parallel_blocks_and_other_collectives_are_left_alone(self):
+        gm = hook_graph(shapes=((16,), (8,)))
+        for n in gm.graph.nodes:
+            if n.target in (ALL_TO_ALL, ALL_GATHER):
+                n.meta.setdefault("custom", {})[BLOCK] = "layers.0"
+        text = graph_str(gm)
+        self.assertFalse(sink_quantized_receives(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+        fake_process_group(2)
+        state = ch.LowPrecisionState(dist.group.WORLD)
+
+        def fn(a, b):
+            ch.bf16_compress_hook(state, a)
+            ch.bf16_compress_hook(state, (b * a.sum()).cos())
+            return a, b
+
+        gm = trace(fn, torch.randn(16), torch.randn(16), world_size=None)
+        text = graph_str(gm)
+        self.assertFalse(sink_quantized_receives(gm.graph))
+        self.assertEqual(graph_str(gm), text)
+
+    def test_waits_are_moved_not_copied(self):
+        gm = hook_graph()
+        count = len(gm.graph.nodes)
+        sink_quantized_receives(gm.graph)
+        self.assertEqual(len(gm.graph.nodes), count)
+        self.assertEqual(len(waits_of(gm, ALL_TO_ALL)), 3)
+        self.assertTrue(all(w.target is WAIT for w in waits_of(gm, ALL_TO_ALL)))
