@@ -300,10 +300,11 @@ def run_model(
     link: str | None,
     traffic,
     names: list[str] = CONFIGS,
+    traced: str = OURS[0],
 ) -> dict | None:
     """Time, profile and print one model's table (rank 0) of the configurations ``names``,
-    which hold one peer at least, ours, int8 and the compute alone; returns it for
-    ``results``."""
+    which hold one peer at least, ours, int8, the compute alone and ``traced`` (whose profiled
+    step's timeline is printed); returns it for ``results``."""
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = True  # eager DDP first: the C++ reducer
     names = [n for n in names if n.startswith("eager")] + [
@@ -336,7 +337,8 @@ def run_model(
     fwd, first = first_gradient_ms(model)
     ours = next(c for c in configs if c.name in OURS)
     timelines = [None] * dist.get_world_size()
-    dist.all_gather_object(timelines, ours.timeline)  # the same profiled step on every rank
+    shown = next(c for c in configs if c.name == traced)
+    dist.all_gather_object(timelines, shown.timeline)  # the same profiled step on every rank
     if rank != 0:
         return None
     configs.sort(key=lambda c: CONFIGS.index(c.name))
@@ -387,7 +389,7 @@ def run_model(
         "served the graphs from its cache)."
     )
     print(
-        f"\ntimeline of one profiled step of {ours.name} on every rank (ms from the step's start; "
+        f"\ntimeline of one profiled step of {shown.name} on every rank (ms from the step's start; "
         "every collective's issue, its time in the backend's thread, its wait):\n"
     )
     for r, lines in enumerate(timelines):
@@ -435,7 +437,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             _pipeline_options(args),
             args.link,
             traffic,
-            chosen_configs(args, CONFIGS, SMOKE),
+            chosen_configs(args, CONFIGS, [*SMOKE, args.timeline]),
+            args.timeline,
         )
         for model in args.models
     ]
@@ -466,6 +469,13 @@ def main() -> None:
         "--quantized-bucket-cap-mb",
         type=float,
         help="the passes' bucket cap for int8 collectives (default: the pipeline's)",
+    )
+    parser.add_argument(
+        "--timeline",
+        choices=CONFIGS,
+        default=OURS[0],
+        metavar="CONFIG",
+        help=f"the configuration whose profiled step's timeline is printed (default: {OURS[0]})",
     )
     add_link_argument(parser)
     add_smoke_argument(parser)

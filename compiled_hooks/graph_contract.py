@@ -20,8 +20,10 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
   by the mark and its int8 input. Compiled autograd drops the marks from the backward it
   compiles: in a graph with no mark, the int8 input alone. The error-feedback residual comes in
   through :data:`QUANTIZED_ERROR` and goes out through :data:`QUANTIZED_KEEP_ERROR` (a side
-  effect); a packed collective's result (int8 blocks behind their 4-byte scales) is read only
-  by :data:`DEQUANTIZE_PACKED`, which takes any strides, so the passes may bucket it.
+  effect); each touches only its residual, named by its arguments 1 to 3 ``(state_id, key,
+  part)``, so ops on different residuals commute and the passes may reorder them. A packed
+  collective's result (int8 blocks behind their 4-byte scales) is read only by
+  :data:`DEQUANTIZE_PACKED`, which takes any strides, so the passes may bucket it.
 - **PowerSGD** counts each hook call with :data:`POWERSGD_COUNT` (a side effect), whose use
   marks the all-reduces of its factors.
 - **ZeRO's sharded update** reads this rank's index in a group with :data:`GROUP_RANK`.

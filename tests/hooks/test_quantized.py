@@ -451,3 +451,35 @@ def test_compiled_hook_kernels_index_linearly_and_load_no_int8(fake_pg):
         assert "div_floor_integer" not in source, name
         assert not re.search(r"\)\s*%\s*static_cast", source), name
         assert "int8_t" not in output_code.input_types(source), name
+
+
+@pytest.mark.slow  # an Inductor compile
+def test_compiled_int8_step_issues_every_all_to_all_before_the_first_wait(fake_pg):
+    """With the passes, the generated code of two gradients' hooks, the second computed after
+    the first is hooked (as in a backward), issues both all-to-alls before it waits for the
+    first: ``sink_quantized_receives`` moved the first one's receive side below the second
+    gradient's compute and quantize, so that compute runs while the first rows are on the
+    wire."""
+    from torch._inductor.utils import run_and_get_code
+
+    import passes
+
+    state = ch.QuantizedState(dist.group.WORLD)
+
+    def step(g1, x, w):
+        ch.int8_compress_hook(state, g1, param="g1")
+        g2 = torch.mm(x, w)
+        ch.int8_compress_hook(state, g2, param="g2")
+        return g1, g2
+
+    args = torch.randn(1024, 512), torch.randn(256, 1024), torch.randn(1024, 512)
+    pipeline = passes.default_pipeline(quantized_bucket_cap_mb=0.5)  # a bucket each
+    with passes.install(pipeline):
+        _, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), *args)
+    issues = [
+        m.start() for m in re.finditer(r"_c10d_functional\.all_to_all_single\.default\(", code)
+    ]
+    waits = [m.start() for m in re.finditer(r"_c10d_functional\.wait_tensor\.default\(", code)]
+    mm = code.index("extern_kernels.mm(")
+    assert len(issues) == 2, code
+    assert issues[0] < mm < issues[1] < min(waits), code
