@@ -6,13 +6,14 @@ with one ``all_to_all`` and, in its all-reduce form, gathers the re-quantized sh
 compiled DDP backward that is two collectives per parameter; ``data_parallel``'s int8 weight
 gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pass merges the
 collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
-graph) into buckets of at most ``quantized_bucket_cap_mb`` (by default a quarter of that kind's
-bytes, between 2 and 25 MiB: :func:`passes._bucket.derived_cap`), so that the first buckets go
-out while the backward still runs: the members' rows side by side (a
-``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a member packed by a cat of
-its own, as :func:`compiled_hooks.int8.codec.pack` does on CPU, gives that cat's inputs,
-so a bucket is one cat), one collective, and each member reads its columns back (a contiguous
-copy, except where only the ``dequantize_packed`` op reads them: it takes any strides)::
+graph) into buckets of at most ``quantized_bucket_cap_mb`` (by default, outside a block, a
+quarter of that kind's bytes, between 2 and 25 MiB: :func:`passes._bucket.derived_cap`, so
+that the first buckets go out while the backward still runs; in a block 25 MiB): the members'
+rows side by side (a ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a
+member packed by a cat of its own, as :func:`compiled_hooks.int8.codec.pack` does on CPU,
+gives that cat's inputs, so a bucket is one cat), one collective, and each member reads its
+columns back (a contiguous copy, except where only the ``dequantize_packed`` op reads them: it
+takes any strides)::
 
     before                                      after
     a1 = all_to_all(p1, None, None, G)          ... p1 and p2 computed ...
@@ -47,7 +48,7 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import DEQUANTIZE_PACKED
 
-from ._bucket import derived_cap
+from ._bucket import MAX_CAP_MB, derived_cap
 from ._graph import (
     ALL_GATHER,
     ALL_TO_ALL,
@@ -73,8 +74,8 @@ PASS = "bucket_quantized_collectives"
 @dataclasses.dataclass(frozen=True)
 class Options:
     quantized_bucket_cap_mb: float | None = None
-    """Cap of one bucket's int8 input in MiB; None derives it from the graph, as
-    ``bucket_compressed_collectives`` does."""
+    """Cap of one bucket's int8 input in MiB; None derives it from the graph outside a
+    data_parallel block, as ``bucket_compressed_collectives`` does, and is 25 MiB in a block."""
 
 
 def _member(n: Node) -> bool:
@@ -103,16 +104,25 @@ def _key(n: Node) -> tuple:
     return (n.target, block_of(n), *(tuple(a) if isinstance(a, list) else a for a in n.args[1:]))
 
 
+def _cap(key: tuple, total: int, cap_mb: float | None) -> float:
+    """The cap in bytes of the members of ``key``, of ``total`` bytes in all: ``cap_mb``; else
+    derived in DDP's graph, and ``MAX_CAP_MB`` in a data_parallel block (one bucket a block,
+    which ``prefetch_block_all_gathers`` counts its depth in)."""
+    if cap_mb is not None:
+        return cap_mb * 2**20
+    return derived_cap(total) if key[1] is None else MAX_CAP_MB * 2**20
+
+
 def _buckets(graph: Graph, cap_mb: float | None) -> list[list[Node]]:
-    """Members in graph order, by kind and group, cut where the cap would be passed: ``cap_mb``,
-    or derived per kind and group from its members' bytes (:func:`passes._bucket.derived_cap`)."""
+    """Members in graph order, by kind, group and block, cut where the cap would be passed
+    (:func:`_cap`)."""
     members = [n for n in calls(graph, (ALL_TO_ALL, ALL_GATHER)) if _member(n)]
     keys = [_key(n) for n in members]
     nbytes = [val(n.args[0]).numel() for n in members]
     total: dict[tuple, int] = {}
     for key, b in zip(keys, nbytes):
         total[key] = total.get(key, 0) + b
-    cap = {k: derived_cap(t) if cap_mb is None else cap_mb * 2**20 for k, t in total.items()}
+    cap = {k: _cap(k, t, cap_mb) for k, t in total.items()}
     open_: dict[tuple, list[Node]] = {}
     size: dict[tuple, int] = {}
     done: list[list[Node]] = []

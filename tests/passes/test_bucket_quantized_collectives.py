@@ -140,6 +140,21 @@ class TestBucketQuantizedCollectives(PassTestCase):
         bucket_quantized_collectives(gm.graph, quantized_bucket_cap_mb=200 / 2**20)
         self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL, ALL_TO_ALL, ALL_GATHER])
 
+    def test_default_cap_is_a_quarter_outside_a_block_and_25_mib_in_one(self):
+        """Six members of 500k values: an all-to-all sends 2 rows of 31250 blocks (8 values and
+        a 4-byte scale each), 750 kB; an all-gather one row, 375 kB. Their quarters are below
+        the 2 MiB floor: buckets of 2, 2 and 2 all-to-alls, and of 5 and 1 all-gathers. In a
+        data_parallel block, one bucket of each kind."""
+        shapes = ((500_000,),) * 6
+        gm = hook_graph(shapes=shapes)
+        bucket_quantized_collectives(gm.graph)
+        self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL] * 3 + [ALL_GATHER] * 2)
+        gm = hook_graph(shapes=shapes)
+        for n in collectives(gm):
+            n.meta.setdefault("custom", {})[BLOCK] = "layers.0"
+        bucket_quantized_collectives(gm.graph)
+        self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL, ALL_GATHER])
+
     def test_a_member_whose_input_needs_another_members_result_is_left_alone(self):
         """The second gradient is computed from the first one's average: they cannot go out
         together."""
