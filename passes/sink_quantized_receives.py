@@ -65,9 +65,15 @@ PASS = "sink_quantized_receives"
 RESIDUAL_OPS = (QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR)
 
 
+UNKNOWN = ("unknown residual",)  # a residual op whose slot is not in its positional args
+
+
 def _slot(node: Node) -> tuple[Any, ...] | None:
-    """The residual a read or keep op touches: ``(state_id, key, part)``; None for other nodes."""
-    return tuple(node.args[1:4]) if is_op(node, RESIDUAL_OPS) else None
+    """The residual a read or keep op touches: ``(state_id, key, part)``, or ``UNKNOWN``; None
+    for other nodes."""
+    if not is_op(node, RESIDUAL_OPS):
+        return None
+    return tuple(node.args[1:4]) if len(node.args) >= 4 else UNKNOWN
 
 
 def _starts(graph: Graph) -> set[Node]:
@@ -100,7 +106,7 @@ def _may_pass(node: Node, slots: set[tuple[Any, ...]]) -> bool:
         return False  # output, or a module or method call the pass cannot see into
     slot = _slot(node)
     if slot is not None:
-        return slot not in slots
+        return slot != UNKNOWN and UNKNOWN not in slots and slot not in slots
     if is_op(node, (WAIT,)) or is_collective(node):
         return True
     return not mutates(node) and not node.is_impure()

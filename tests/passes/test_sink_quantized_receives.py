@@ -84,20 +84,24 @@ class TestSinkQuantizedReceives(PassTestCase):
             ch.int8_compress_hook(state, a, param="a")
             return a, ops.quantized_error(b.cos(), state.state_id, "a", SHARD)
 
-        with mock.patch("torch.compiler.is_compiling", return_value=True):
-            gm = trace(fn, torch.randn(16), torch.randn(16), world_size=None)
-        self.assertTrue(sink_quantized_receives(gm.graph))  # below the cos, not the read
-        at = positions(gm)
-        (keep,) = [
-            n for n in gm.graph.nodes if n.target is QUANTIZED_KEEP_ERROR and n.args[3] == SHARD
-        ]
-        (peek,) = [
-            n
-            for n in gm.graph.nodes
-            if n.target is QUANTIZED_ERROR and n.args[0].target is aten.cos.default
-        ]
-        self.assertLess(at[peek.args[0]], at[keep])
-        self.assertLess(at[keep], at[peek])
+        for keywords in (False, True):  # the slot in keyword arguments: any slot, to the pass
+            with mock.patch("torch.compiler.is_compiling", return_value=True):
+                gm = trace(fn, torch.randn(16), torch.randn(16), world_size=None)
+            (keep,) = [
+                n for n in gm.graph.nodes if n.target is QUANTIZED_KEEP_ERROR and n.args[3] == SHARD
+            ]
+            (peek,) = [
+                n
+                for n in gm.graph.nodes
+                if n.target is QUANTIZED_ERROR and n.args[0].target is aten.cos.default
+            ]
+            if keywords:
+                like, state_id, key, part = peek.args
+                peek.args, peek.kwargs = (like,), {"state_id": state_id, "key": "b", "part": part}
+            self.assertTrue(sink_quantized_receives(gm.graph))  # below the cos, not the read
+            at = positions(gm)
+            self.assertLess(at[peek.args[0]], at[keep])
+            self.assertLess(at[keep], at[peek])
 
     def test_a_write_stops_it(self):
         gm = hook_graph(shapes=((16,), (8,)))
