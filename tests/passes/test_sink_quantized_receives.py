@@ -60,7 +60,9 @@ class TestSinkQuantizedReceives(PassTestCase):
     def test_snapshot(self):
         gm = hook_graph(shapes=((16,), (8,)), feedback=True)
         self.assertRewrites(gm, sink_quantized_receives)
-        self.assertExpectedInline(order_str(gm), """\
+        self.assertExpectedInline(
+            order_str(gm),
+            """\
 cos = cos.default(add)
 quantized_error = quantized_error.default(view)
 quantized_keep_error = quantized_keep_error.default(where_1)
@@ -78,7 +80,8 @@ wait_tensor_2 = wait_tensor.default(all_to_all_single_1)
 quantized_error_3 = quantized_error.default(div_7)
 quantized_keep_error_3 = quantized_keep_error.default(where_10)
 all_gather_into_tensor_1 = all_gather_into_tensor.default(cat_7)
-wait_tensor_3 = wait_tensor.default(all_gather_into_tensor_1)""")
+wait_tensor_3 = wait_tensor.default(all_gather_into_tensor_1)""",
+        )
 
     def test_every_all_to_all_goes_out_before_the_first_wait_with_the_same_values(self):
         for feedback in (False, True):
