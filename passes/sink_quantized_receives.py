@@ -63,8 +63,6 @@ __all__ = ["sink_quantized_receives"]
 
 PASS = "sink_quantized_receives"
 RESIDUAL_OPS = (QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR)
-
-
 UNKNOWN = ("unknown residual",)  # a residual op whose slot is not in its positional args
 
 
@@ -88,13 +86,19 @@ def _starts(graph: Graph) -> set[Node]:
     }
 
 
+def _unordered(node: Node) -> bool:
+    """A call the receive side may move across, either way: a pure one, or this parallelism's
+    collective or wait."""
+    if is_op(node, (WAIT,)) or is_collective(node):
+        return True
+    return not mutates(node) and not node.is_impure()
+
+
 def _may_move(node: Node) -> bool:
     """A dependent of a receive that may move with it."""
     if node.op != "call_function":
         return False
-    if is_op(node, (WAIT, *RESIDUAL_OPS)) or is_collective(node):
-        return True
-    return not mutates(node) and not node.is_impure()
+    return _slot(node) is not None or _unordered(node)
 
 
 def _may_pass(node: Node, slots: set[tuple[Any, ...]]) -> bool:
@@ -107,9 +111,7 @@ def _may_pass(node: Node, slots: set[tuple[Any, ...]]) -> bool:
     slot = _slot(node)
     if slot is not None:
         return slot != UNKNOWN and UNKNOWN not in slots and slot not in slots
-    if is_op(node, (WAIT,)) or is_collective(node):
-        return True
-    return not mutates(node) and not node.is_impure()
+    return _unordered(node)
 
 
 @graph_pass(after=("bucket_quantized_collectives",))
