@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import io
 import os
 import queue
@@ -47,6 +48,7 @@ def _entry(
     teardown: bool,
     pg_timeout_s: float | None,
 ) -> None:
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints its Python stacks
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     reported = False
