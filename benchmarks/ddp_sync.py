@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import math
 import os
 import statistics
@@ -80,6 +79,7 @@ from launch import (
     itemsize,
     launch,
 )
+from step_timeline import COLLECTIVES, MATMULS, profiled_steps, timeline, waits
 from train_ddp import TinyTransformer, batch
 
 import compiled_hooks as ch
@@ -100,15 +100,6 @@ INT8 = "compiled + int8 hook + passes"
 COMPUTE = "compute alone (compiled, no DDP)"
 CONFIGS = PEERS + OURS + [INT8, "compiled + bf16 hook", COMPUTE]
 SMOKE = ["eager DDP", *OURS, INT8, COMPUTE]  # what the report needs
-STEP = "ddp_sync step"
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
-COLLECTIVES = (
-    "_c10d_functional::all_reduce_",
-    "_c10d_functional::reduce_scatter_tensor",
-    "_c10d_functional::all_to_all_single",
-    "_c10d_functional::all_gather_into_tensor",
-    "c10d::allreduce_",
-)
 
 
 def make_model(name: str, extra_dims: int) -> tuple[nn.Module, tuple, torch.Tensor]:
@@ -188,74 +179,20 @@ class Config:
     def profile(self, steps: int = 5) -> None:
         """Collectives, bytes to collectives, blocked wait time per step, and the last step's
         timeline."""
-        from torch.profiler import ProfilerActivity, profile, record_function
-
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            for _ in range(steps):
-                dist.barrier()
-                with record_function(STEP):
-                    self.step()
-        self.timeline = timeline(prof.events())
-        events = [e for e in prof.events() if e.name in COLLECTIVES]
-        functional = [e for e in events if e.name.startswith("_c10d_functional")]
-        self.collectives = len(functional or events) / steps
+        events = profiled_steps(self.step, steps)
+        self.timeline = timeline(events)
+        issued = [e for e in events if e.name in COLLECTIVES]
+        functional = [e for e in issued if e.name.startswith("_c10d_functional")]
+        self.collectives = len(functional or issued) / steps
         if self.wire_bytes is None:
             self.wire_bytes = (
                 sum(math.prod(e.input_shapes[0]) * itemsize(e.input_dtypes[0]) for e in functional)
                 / steps
             )
-        # the op, not its kernel
-        waits = [
-            e
-            for e in prof.events()
-            if e.name == "_c10d_functional::wait_tensor"
-            and (e.cpu_parent is None or e.cpu_parent.name != e.name)
-        ]
         self.exposed_ms = (
-            sum(e.cpu_time_total for e in waits) / 1e3 / steps if self.compiled else None
+            sum(e.cpu_time_total for e in waits(events)) / 1e3 / steps if self.compiled else None
         )
-        self.matmul_ms = (
-            sum(e.cpu_time_total for e in prof.events() if e.name in MATMULS) / 1e3 / steps
-        )
-
-
-def timeline(events: list) -> list[str]:
-    """The last profiled step, in ms from its start: the compiled forward, the end of the last
-    matmul (backward's compute), and per collective when the graph issued it, when the
-    backend's thread moved it (``gloo:...`` / ``nccl:...`` events, on their own threads) and
-    when the graph waited for it."""
-    step = [e for e in events if e.name == STEP][-1]
-    t0, t1 = step.time_range.start, step.time_range.end
-
-    def span(e) -> str:
-        return f"{(e.time_range.start - t0) / 1e3:.1f}-{(e.time_range.end - t0) / 1e3:.1f}"
-
-    inside = sorted(
-        (e for e in events if t0 <= e.time_range.start and e.time_range.end <= t1),
-        key=lambda e: e.time_range.start,
-    )
-    issued = [e for e in inside if e.name in COLLECTIVES and e.name.startswith("_c10d_functional")]
-    moved = [e for e in inside if e.name.split(":")[0] in ("gloo", "nccl")]
-    waits = [
-        e
-        for e in inside
-        if e.name == "_c10d_functional::wait_tensor"
-        and (e.cpu_parent is None or e.cpu_parent.name != e.name)
-    ]
-    forward = [span(e) for e in inside if e.name == "CompiledFunction"]
-    matmuls = [e.time_range.end for e in inside if e.name in MATMULS]
-    last_matmul = f"{(max(matmuls) - t0) / 1e3:.1f}" if matmuls else "-"
-    lines = [
-        f"step {(t1 - t0) / 1e3:.1f} ms; compiled forward {', '.join(forward) or '-'}; last "
-        f"matmul ends {last_matmul}"
-    ]
-    lines += [
-        f"collective {i}: issued {span(a)}, backend {span(m) if m else '-'}, waited "
-        f"{span(w) if w else '-'}"
-        for i, (a, m, w) in enumerate(itertools.zip_longest(issued, moved[: len(issued)], waits))
-        if a is not None
-    ]
-    return lines
+        self.matmul_ms = sum(e.cpu_time_total for e in events if e.name in MATMULS) / 1e3 / steps
 
 
 def wire_ms(elements: int, dtype: torch.dtype, reps: int = 10) -> tuple[float, float]:

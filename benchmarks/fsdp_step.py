@@ -81,6 +81,7 @@ from launch import (
     launch,
     link_bytes_per_s,
 )
+from step_timeline import profiled_steps, timeline
 from train_ddp import TinyTransformer, synchronize
 
 import compiled_hooks as ch
@@ -255,9 +256,11 @@ def run_model(
     link: str | None,
     traffic,
     names: list[str] = CONFIGS,
+    traced: str | None = None,
 ) -> dict | None:
     """Time and print one model's table (rank 0) of the configurations ``names`` (the compute
-    alone last); returns it for ``results``."""
+    alone last), and the timeline of a profiled step of ``traced`` on every rank; returns the
+    table for ``results``."""
     torch._dynamo.reset()
     # data_parallel's root forward is one code object, compiled per configuration and again
     # for its peak-memory graphs
@@ -281,6 +284,10 @@ def run_model(
     busy = compute_busy_ms(configs[-1].step, configs[-1].times, traffic, link)
     for c in configs:
         c.alone_busy_ms = under_compute_ms(c.calls, world, configs[-1].step)
+    timelines: list[list[str] | None] = [None] * world
+    if traced is not None:
+        shown = next(c for c in configs if c.name == traced)
+        dist.all_gather_object(timelines, timeline(profiled_steps(shown.step, 3)))
     if rank != 0:
         return None
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
@@ -364,6 +371,13 @@ def run_model(
         + ", ".join(f"{r['alone_busy_ms']:.0f}" for r in rows[:-1])
         + " ms per row)"
     )
+    if traced is not None:
+        print(
+            f"\ntimeline of one profiled step of {traced} on every rank (ms from the step's "
+            "start; every collective's issue, its time in the backend's thread, its wait):\n"
+        )
+        for r, lines in enumerate(timelines):
+            print(f"  rank {r}:\n" + "\n".join("    " + line for line in lines or []))
     return results.table(title, rows, ratio="vs_peer", note=f"compute alone {compute:.1f} ms")
 
 
@@ -386,7 +400,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             args.steps,
             args.link,
             traffic,
-            chosen_configs(args, CONFIGS, SMOKE),
+            chosen_configs(args, CONFIGS, SMOKE + ([args.timeline] if args.timeline else [])),
+            args.timeline,
         )
         for model in args.models
         for d in args.param_dtypes
@@ -407,6 +422,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--param-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"]
+    )
+    parser.add_argument(
+        "--timeline",
+        choices=CONFIGS,
+        metavar="CONFIG",
+        help="print the timeline of a profiled step of this configuration on every rank",
     )
     add_link_argument(parser)
     add_smoke_argument(parser)

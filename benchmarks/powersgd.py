@@ -34,7 +34,7 @@ import time
 import results
 import torch
 import torch.distributed as dist
-from ddp_sync import COLLECTIVES, MODELS, loss_of, make_model
+from ddp_sync import MODELS, loss_of, make_model
 from launch import (
     add_link_argument,
     add_smoke_argument,
@@ -43,6 +43,7 @@ from launch import (
     itemsize,
     launch,
 )
+from step_timeline import COLLECTIVES
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 

@@ -3,7 +3,7 @@ slow tier the smallest configuration (a subprocess, as a user runs it: loopback,
 The step benchmarks take ``--smoke`` for it (``launch.add_smoke_argument``: one small model, the
 configurations their report needs). What a benchmark computes is tested beside it
 (``test_benchmark_*.py``; ``fsdp_memory.py``'s rows in ``test_benchmark_fsdp_memory.py``).
-``achievable.py`` and ``launch.py`` are modules, not scripts."""
+``achievable.py``, ``launch.py`` and ``step_timeline.py`` are modules, not scripts."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ SMOKE = {
     "ddp_sync": None,  # link_sweep's smoke runs ddp_sync --smoke (over a shaped link)
     "fsdp_2d": ["--smoke"],
     "fsdp_memory": None,  # test_benchmark_fsdp_memory.py runs its rows
-    "fsdp_step": ["--smoke"],
+    "fsdp_step": ["--smoke", "--timeline", "data_parallel keep + passes"],
     "gloo_collectives": ["--sizes-mb", "1", "--reps", "2", "--chunk-kib", "256"],
     "gpu_step": ["--device", "cpu"],  # CI's CPU mode: the smallest sizes
     # one rate, ddp_sync --smoke, the projection beside it
@@ -76,6 +76,8 @@ def test_smallest_configuration_runs(script):
     assert proc.returncode == 0, proc.stdout[-4000:]
     if "--smoke" in SMOKE[script]:  # a step benchmark's report: its table
         assert "|---|" in proc.stdout, proc.stdout[-4000:]
+    if "--timeline" in SMOKE[script]:
+        assert proc.stdout.count("    collective 0: issued") == 2, proc.stdout[-4000:]  # 2 ranks
     if script == "link_sweep":  # ddp_sync's own report, then the sweep's
         assert proc.stdout.count("| compiled + int8 hook + passes |") == 1, proc.stdout[-4000:]
         assert "ddp_sync: int8 pays at" in proc.stdout, proc.stdout[-4000:]
