@@ -256,11 +256,11 @@ def run_model(
     link: str | None,
     traffic,
     names: list[str] = CONFIGS,
-    traced: str | None = None,
+    traced: tuple[str, ...] = (),
 ) -> dict | None:
     """Time and print one model's table (rank 0) of the configurations ``names`` (the compute
-    alone last), and the timeline of a profiled step of ``traced`` on every rank; returns the
-    table for ``results``."""
+    alone last), and the timeline of a profiled step of each of ``traced`` on every rank;
+    returns the table for ``results``."""
     torch._dynamo.reset()
     # data_parallel's root forward is one code object, compiled per configuration and again
     # for its peak-memory graphs
@@ -284,10 +284,11 @@ def run_model(
     busy = compute_busy_ms(configs[-1].step, configs[-1].times, traffic, link)
     for c in configs:
         c.alone_busy_ms = under_compute_ms(c.calls, world, configs[-1].step)
-    timelines: list[list[str] | None] = [None] * world
-    if traced is not None:
-        shown = next(c for c in configs if c.name == traced)
-        dist.all_gather_object(timelines, timeline(profiled_steps(shown.step, 3)))
+    timelines: dict[str, list] = {}
+    for name in traced:
+        timelines[name] = [None] * world
+        shown = next(c for c in configs if c.name == name)
+        dist.all_gather_object(timelines[name], timeline(profiled_steps(shown.step, 3)))
     if rank != 0:
         return None
     median = {c.name: statistics.median(c.times) * 1e3 for c in configs}
@@ -371,13 +372,13 @@ def run_model(
         + ", ".join(f"{r['alone_busy_ms']:.0f}" for r in rows[:-1])
         + " ms per row)"
     )
-    if traced is not None:
+    for name, per_rank in timelines.items():
         print(
-            f"\ntimeline of one profiled step of {traced} on every rank (ms from the step's "
+            f"\ntimeline of one profiled step of {name} on every rank (ms from the step's "
             "start; every collective's issue, its time in the backend's thread, its wait):\n"
         )
-        for r, lines in enumerate(timelines):
-            print(f"  rank {r}:\n" + "\n".join("    " + line for line in lines or []))
+        for r, lines in enumerate(per_rank):
+            print(f"  rank {r}:\n" + "\n".join("    " + line for line in lines))
     return results.table(title, rows, ratio="vs_peer", note=f"compute alone {compute:.1f} ms")
 
 
@@ -400,8 +401,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             args.steps,
             args.link,
             traffic,
-            chosen_configs(args, CONFIGS, SMOKE + ([args.timeline] if args.timeline else [])),
-            args.timeline,
+            chosen_configs(args, CONFIGS, SMOKE + args.timeline),
+            tuple(args.timeline),
         )
         for model in args.models
         for d in args.param_dtypes
@@ -425,9 +426,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--timeline",
+        nargs="+",
+        default=[],
         choices=CONFIGS,
         metavar="CONFIG",
-        help="print the timeline of a profiled step of this configuration on every rank",
+        help="print the timeline of a profiled step of these configurations on every rank",
     )
     add_link_argument(parser)
     add_smoke_argument(parser)
