@@ -26,14 +26,14 @@ from ._values import flat_value, new_node, piece_of, split_node
 DERIVED_BUCKETS, MIN_CAP_MB, MAX_CAP_MB = 4, 2.0, 25.0
 
 
-def derived_cap(total_bytes: int) -> float:
+def derived_cap(total_bytes: int, floor_mb: float = MIN_CAP_MB) -> float:
     """A bucket cap in bytes for collectives of ``total_bytes`` in all: a quarter of them,
-    between ``MIN_CAP_MB`` and ``MAX_CAP_MB`` (DDP's default). Traffic starts only once the
+    between ``floor_mb`` and ``MAX_CAP_MB`` (DDP's default). Traffic starts only once the
     first bucket is full, and the last bucket's wire time is exposed after its last member, so
     about four buckets keep the link busy from early on while a bandwidth-bound step waits
     only for the last quarter; the floor keeps each collective's fixed cost small against its
     wire time."""
-    return min(max(total_bytes / DERIVED_BUCKETS, MIN_CAP_MB * 2**20), MAX_CAP_MB * 2**20)
+    return min(max(total_bytes / DERIVED_BUCKETS, floor_mb * 2**20), MAX_CAP_MB * 2**20)
 
 
 def is_compressed(chain: Chain) -> bool:

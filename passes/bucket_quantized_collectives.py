@@ -7,8 +7,9 @@ compiled DDP backward that is two collectives per parameter; ``data_parallel``'s
 gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pass merges the
 collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
 graph) into buckets of at most ``quantized_bucket_cap_mb`` (by default, outside a block, a
-quarter of that kind's bytes, between 2 and 25 MiB: :func:`passes._bucket.derived_cap`, so
-that the first buckets go out while the backward still runs; in a block 25 MiB): the members'
+quarter of that kind's bytes, between :data:`MIN_CAP_MB` and 25 MiB:
+:func:`passes._bucket.derived_cap`, so that the first buckets go out while the backward still
+runs; in a block 25 MiB): the members'
 rows side by side (a ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a
 member packed by a cat of its own, as :func:`compiled_hooks.int8.codec.pack` does on CPU,
 gives that cat's inputs, so a bucket is one cat), one collective, and each member reads its
@@ -70,12 +71,18 @@ __all__ = ["bucket_quantized_collectives"]
 
 PASS = "bucket_quantized_collectives"
 
+MIN_CAP_MB = 0.5
+"""The floor of the derived cap, below the other buckets' (``passes._bucket.MIN_CAP_MB``): an
+int8 bucket's receive side (dequantize, sum, the shard's quantize) runs on the CPU after its
+wait, and only smaller buckets let the next bucket's wire time hide it."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     quantized_bucket_cap_mb: float | None = None
     """Cap of one bucket's int8 input in MiB; None derives it from the graph outside a
-    data_parallel block, as ``bucket_compressed_collectives`` does, and is 25 MiB in a block."""
+    data_parallel block, as ``bucket_compressed_collectives`` does with a lower floor
+    (:data:`MIN_CAP_MB`), and is 25 MiB in a block."""
 
 
 def _member(n: Node) -> bool:
@@ -110,7 +117,7 @@ def _cap(key: tuple, total: int, cap_mb: float | None) -> float:
     which ``prefetch_block_all_gathers`` counts its depth in)."""
     if cap_mb is not None:
         return cap_mb * 2**20
-    return derived_cap(total) if key[1] is None else MAX_CAP_MB * 2**20
+    return derived_cap(total, MIN_CAP_MB) if key[1] is None else MAX_CAP_MB * 2**20
 
 
 def _buckets(graph: Graph, cap_mb: float | None) -> list[list[Node]]:

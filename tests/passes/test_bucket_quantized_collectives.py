@@ -141,14 +141,15 @@ class TestBucketQuantizedCollectives(PassTestCase):
         self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL, ALL_TO_ALL, ALL_GATHER])
 
     def test_default_cap_is_a_quarter_outside_a_block_and_25_mib_in_one(self):
-        """Six members of 500k values: an all-to-all sends 2 rows of 31250 blocks (8 values and
-        a 4-byte scale each), 750 kB; an all-gather one row, 375 kB. Their quarters are below
-        the 2 MiB floor: buckets of 2, 2 and 2 all-to-alls, and of 5 and 1 all-gathers. In a
-        data_parallel block, one bucket of each kind."""
-        shapes = ((500_000,),) * 6
+        """Six members of 100k values: an all-to-all sends 2 rows of 6250 blocks (8 values and
+        a 4-byte scale each), 150 kB; an all-gather one row, 75 kB. Their quarters are below
+        int8's 0.5 MiB floor (the other buckets' 2 MiB would make one bucket of each kind):
+        buckets of 3 and 3 all-to-alls, and of 6 all-gathers. In a data_parallel block, one
+        bucket of each kind."""
+        shapes = ((100_000,),) * 6
         gm = hook_graph(shapes=shapes)
         bucket_quantized_collectives(gm.graph)
-        self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL] * 3 + [ALL_GATHER] * 2)
+        self.assertEqual([n.target for n in collectives(gm)], [ALL_TO_ALL] * 2 + [ALL_GATHER])
         gm = hook_graph(shapes=shapes)
         for n in collectives(gm):
             n.meta.setdefault("custom", {})[BLOCK] = "layers.0"
