@@ -9,12 +9,11 @@ collectives of one kind, one group and one ``data_parallel`` block (none in DDP:
 graph) into buckets of at most ``quantized_bucket_cap_mb`` (by default, outside a block, a
 quarter of that kind's bytes, between :data:`MIN_CAP_MB` and 25 MiB:
 :func:`passes._bucket.derived_cap`, so that the first buckets go out while the backward still
-runs; in a block 25 MiB): the members'
-rows side by side (a ``cat`` along dim 1, so row ``r`` is still what goes to rank ``r``; a
-member packed by a cat of its own, as :func:`compiled_hooks.int8.codec.pack` does on CPU,
-gives that cat's inputs, so a bucket is one cat), one collective, and each member reads its
-columns back (a contiguous copy, except where only the ``dequantize_packed`` op reads them: it
-takes any strides)::
+runs; in a block 25 MiB): the members' rows side by side (a ``cat`` along dim 1, so row ``r``
+is still what goes to rank ``r``; a member packed by a cat of its own, as
+:func:`compiled_hooks.int8.codec.pack` does on CPU, gives that cat's inputs, so a bucket is
+one cat), one collective, and each member reads its columns back (a contiguous copy, except
+where only the ``dequantize_packed`` op reads them: it takes any strides)::
 
     before                                      after
     a1 = all_to_all(p1, None, None, G)          ... p1 and p2 computed ...
