@@ -18,11 +18,21 @@ from passes.testing import fake_process_group, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 
+SHAPES = ((16,), (6, 5), (33,))
 
-def hook_graph(shapes=((16,), (6, 5), (33,)), feedback=False, reduce_scatter=False):
-    """A backward's shape: each gradient computed (``sin`` of the last one), then hooked."""
+
+def hook_graph(shapes=SHAPES, feedback=False, reduce_scatter=False):
+    """:func:`backward` traced on the fake process group."""
     fake_process_group(2)
     state = ch.QuantizedState(dist.group.WORLD, block_size=8, error_feedback=feedback)
+    return trace(
+        backward(state, reduce_scatter), *[torch.randn(s) for s in shapes], world_size=None
+    )
+
+
+def backward(state, reduce_scatter=False):
+    """A backward's shape: each gradient computed (``cos`` of the last one), then hooked with
+    ``state``; returns the shards of the reduce-scatter form."""
 
     def fn(*grads):
         c, shards = grads[0].sum(), []
@@ -37,7 +47,7 @@ def hook_graph(shapes=((16,), (6, 5), (33,)), feedback=False, reduce_scatter=Fal
                 grad.copy_(g)
         return shards
 
-    return trace(fn, *[torch.randn(s) for s in shapes], world_size=None)
+    return fn
 
 
 def collectives(gm):

@@ -190,19 +190,10 @@ def numerics_worker(rank, world_size):
     run before and after the pass from the same residuals gives the same gradients and keeps
     the same residuals, bit for bit."""
     state = ch.QuantizedState(dist.group.WORLD, block_size=8)
-
-    def fn(*grads):
-        c = grads[0].sum()
-        for i, grad in enumerate(grads):
-            c = (c + grad.sum()).cos()
-            g = grad * c
-            ch.int8_compress_hook(state, g, param=f"p{i}")
-            grad.copy_(g)
-
     g = torch.Generator().manual_seed(rank)
-    args = [torch.randn(s, generator=g) for s in ((16,), (6, 5), (33,))]
+    args = [torch.randn(s, generator=g) for s in test_bucket_quantized_collectives.SHAPES]
     with mock.patch("torch.compiler.is_compiling", return_value=True):
-        gm = trace(fn, *args, world_size=None)
+        gm = trace(test_bucket_quantized_collectives.backward(state), *args, world_size=None)
     start = state.state_dict()
     results = []
     for rewrite in (False, True):
