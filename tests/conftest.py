@@ -34,6 +34,13 @@ def _reset_dynamo_and_fake_group():
         dist.destroy_process_group()
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tier's tests run first (a stable sort: each tier keeps its order). Under
+    pytest-xdist a long test that starts last keeps one worker busy after the other has run
+    out of work; with the fast tier's many short tests last, the workers finish together."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_report_header(config):
     from compiled_hooks import compat
 

@@ -198,6 +198,7 @@ def test_environment_flag_with_another_value_names_the_variable(monkeypatch, nam
         default_pipeline()
 
 
+@pytest.mark.slow  # four Inductor compiles
 def test_fx_graph_cache_entries_follow_pipeline_options():
     fake_process_group(8)
     fn = hook_fn("bf16", sharded=False)
