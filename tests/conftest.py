@@ -34,6 +34,13 @@ def _reset_dynamo_and_fake_group():
         dist.destroy_process_group()
 
 
+def pytest_configure(config):
+    # pytest-xdist (where installed) hands a worker one test at a time instead of a quarter of
+    # its share up front, so the order below decides which worker runs what
+    if getattr(config.option, "maxschedchunk", False) is None:
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(items):
     """The slow tier's tests run first (a stable sort: each tier keeps its order). Under
     pytest-xdist a long test that starts last keeps one worker busy after the other has run
