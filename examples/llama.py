@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
 
 def rotary(x, positions):
     half = x.shape[-1] // 2
-    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32, device=x.device) / half))
     angles = positions[:, None].float() * freqs[None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head).transpose(1, 2)
-        positions = torch.arange(s)
+        positions = torch.arange(s, device=x.device)
         q, k = rotary(q, positions), rotary(k, positions)
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -74,7 +74,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scores = q @ k.transpose(-1, -2) / self.head**0.5
-            mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
             out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
