@@ -9,9 +9,9 @@ machine can shape a link for two ranks.
 One process, world size 1 (NCCL on CUDA, gloo on CPU), four parts:
 
 1. **codec**: ``quantize_cost.py`` on the device at 8,392,704 and 100,000,000 values (CPU:
-   65,536): the send quantize (with and without error feedback) and the receive dequantize, each
-   compiled alone; here each row's values per second (the projection's input,
-   ``projection.py --send-ns/--receive-ns``).
+   65,536): the send quantize (with and without error feedback) and the receive dequantize,
+   beside the bf16 cast and sum, each compiled alone; here each row's values per second (the
+   projection's input, ``projection.py --send-ns/--receive-ns/--bf16-ns``).
 2. **compiled DDP**: ``mlp-8x1024`` (CPU: ``mlp-2x64``) compiled with ``bf16_compress_hook``
    and the passes, against the same hook with torch's Inductor bucketing
    (``bucket_all_reduces_fx="all"``): median step (forward + backward) and the kernels Inductor
@@ -89,7 +89,8 @@ def median_step_ms(step: Callable[[], object], device: torch.device, steps: int)
 
 
 def codec(device: torch.device, sizes: list[int]) -> None:
-    """Part 1: ``quantize_cost.py`` at each size, its int8 rows as values per second."""
+    """Part 1: ``quantize_cost.py`` at each size, its send and receive rows as values per
+    second."""
     print("\n## codec\n\n| values | row | median ms | ns per value | values per second |")
     print("|---:|---|---:|---:|---:|")
     for numel in sizes:
@@ -103,8 +104,8 @@ def codec(device: torch.device, sizes: list[int]) -> None:
         ).stdout
         for line in out.splitlines():
             cells = [c.strip() for c in line.strip("|").split("|")]
-            int8 = cells[0].startswith(("send: int8", "receive: int8"))
-            if int8 and len(cells) > 1 and re.fullmatch(r"[\d.]+", cells[1]):
+            codec = cells[0].startswith(("send: ", "receive: "))  # the bf16 rows too
+            if codec and len(cells) > 1 and re.fullmatch(r"[\d.]+", cells[1]):
                 ms = float(cells[1])
                 print(
                     f"| {numel:,} | {cells[0]} | {ms:.3f} | {ms * 1e6 / numel:.4f} | "

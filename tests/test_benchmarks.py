@@ -30,6 +30,7 @@ SMOKE = {
     "fsdp_step": ["--smoke", "--timeline", "data_parallel keep + passes"],
     "gloo_collectives": ["--sizes-mb", "1", "--reps", "2", "--chunk-kib", "256"],
     "gpu_step": ["--device", "cpu"],  # CI's CPU mode: the smallest sizes
+    "int8_step_cpu": ["--smoke"],
     # one rate, ddp_sync --smoke, the projection beside it
     "link_sweep": ["--smoke", "--benchmarks", "ddp_sync", "--send-ns", "2", "--receive-ns", "1"],
     "pass_time": ["--calls", "20", "40", "--repeat", "1"],
