@@ -29,6 +29,7 @@ from .bucket_low_rank_factors import bucket_low_rank_factors
 from .bucket_quantized_collectives import bucket_quantized_collectives
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
+from .hoist_input_writebacks import hoist_input_writebacks
 from .insert_rank_guard import insert_rank_guard
 from .interface import PassOrderError
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
@@ -56,6 +57,7 @@ __all__ = [
     "bucket_block_reduce_scatters",
     "prefetch_block_all_gathers",
     "reinplace_broadcasts",
+    "hoist_input_writebacks",
     "shard_weight_update",
     "all_to_all_weight_update",
     "all_gather_as_all_to_all",

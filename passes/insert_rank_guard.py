@@ -136,6 +136,7 @@ def _existing_checks(graph: Graph) -> list[Node]:
         "reinplace_broadcasts",
         "all_gather_as_all_to_all",
         "reduce_scatter_as_all_to_all",
+        "hoist_input_writebacks",
     )
 )
 def insert_rank_guard(graph: Graph) -> bool:

@@ -39,6 +39,7 @@ from .bucket_quantized_collectives import bucket_quantized_collectives
 from .cache_key import cache_key
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
+from .hoist_input_writebacks import hoist_input_writebacks
 from .insert_rank_guard import insert_rank_guard
 from .interface import check_order, interface_of
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
@@ -241,8 +242,9 @@ def default_pipeline(
     ``bucket_low_rank_factors``, ``bucket_quantized_collectives``, ``sink_quantized_receives``,
     ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
     ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``,
-    ``reduce_scatter_as_all_to_all`` (options: ``all_to_all_backends``, ``all_to_all_chunk_bytes``
-    (the three gloo rewrites'), ``all_gather_backends``, ``avg_backends``, ``bucket_cap_mb``,
+    ``reduce_scatter_as_all_to_all``, ``hoist_input_writebacks`` (options:
+    ``all_to_all_backends``, ``all_to_all_chunk_bytes`` (the three gloo rewrites'),
+    ``all_gather_backends``, ``avg_backends``, ``bucket_cap_mb``,
     ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``, ``prefetch_depth``,
     ``quantized_bucket_cap_mb``, ``reduce_scatter_backends``;
     ``shard_backends`` with ``shard_weight_update``); with
@@ -264,6 +266,7 @@ def default_pipeline(
         reinplace_broadcasts,
         all_gather_as_all_to_all,
         reduce_scatter_as_all_to_all,
+        hoist_input_writebacks,
     ]
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)

@@ -30,6 +30,7 @@ __all__ = [
     "cat_inputs",
     "quantizes",
     "input_types",
+    "cpp_writers",
 ]
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''(.*?)'''", re.M | re.S)
@@ -116,3 +117,24 @@ def input_types(source: str) -> set[str]:
 def quantizes(source: str) -> bool:
     """Whether a kernel's ``source`` rounds values to integers (a quantization)."""
     return any(re.search(p, source) for p in _ROUND)
+
+
+def cpp_writers(code: str, buffer: str) -> list[set[str]]:
+    """For every C++ kernel call that writes ``buffer`` (a non-const pointer of its
+    signature), the buffers and graph inputs that call reads; CPU code only."""
+    signatures = {
+        name: re.findall(r"'(const )?[\w:]+\*?'", types)
+        for name, types in re.findall(
+            r"^(\w+) = async_compile\.cpp_pybinding\((\[.*?\])", code, re.M
+        )
+    }
+    found = []
+    for name, args in re.findall(r"^\s*(\w+)\((.*)\)$", _call_body(code), re.M):
+        if name not in signatures:
+            continue
+        names = [a.strip() for a in args.split(",")]
+        read = {n for n, const in zip(names, signatures[name]) if const}
+        written = {n for n, const in zip(names, signatures[name]) if not const}
+        if buffer in written:
+            found.append(read)
+    return found

@@ -1,0 +1,92 @@
+"""hoist_input_writebacks: a graph input's new value is written where it is computed.
+
+AOTAutograd gives a graph that updates an input in place (a state tensor of a hook, an
+optimizer's state, BatchNorm's running statistics) a ``copy_`` epilogue: the new value is
+computed where the program computed it, held in a buffer of its own, and copied into the input
+at the end of the graph. Inductor fuses a store into the kernel that computes its value only
+when nothing stands between them, so the epilogue costs a kernel that reads the buffer back and
+writes the input. The pass moves each write-back to just after its value::
+
+    before                                   after
+    x = add(grad, e)                         x = add(grad, e)
+    r = sub(x, round(x))                     r = sub(x, round(x))
+    a = all_reduce(x, "sum", group)          copy_(e, r)
+    w = wait_tensor(a)                       a = all_reduce(x, "sum", group)
+    ...                                      w = wait_tensor(a)
+    copy_(e, r)                              ...
+
+A write-back ``copy_(e, r)`` (``e`` a graph input, the copy's result unused) moves when every
+other reader of ``e``, and of every view of ``e``, comes before ``r``: from ``r`` on nothing
+expects the old value. A reader the pass cannot place (a view op that is not an ATen overload,
+the graph's output) keeps the write-back where it is. AOTAutograd never gives two graph inputs
+that alias where one is mutated (it merges them into one synthetic base), so ``e``'s views are
+the only aliases. Values are the same: ``e`` holds its new value from its last read on, as at
+the end. Collectives, their order and their arguments do not change. Idempotent. Run last:
+the passes before it reorder nodes, and a write-back must stay after its value.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+
+from ._graph import aten, check_graph, record
+from .interface import graph_pass
+
+__all__ = ["hoist_input_writebacks"]
+
+PASS = "hoist_input_writebacks"
+COPY = aten.copy_.default
+
+
+def _returns_alias(node: Node) -> bool | None:
+    """Whether ``node``'s result may alias one of its inputs; None when its op is unknown."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    return any(r.alias_info is not None for r in node.target._schema.returns)
+
+
+def _read_after(tensor: Node, writeback: Node, position: dict[Node, int], start: int) -> bool:
+    """Whether a reader of ``tensor`` or of a view of it, other than ``writeback``, comes at or
+    after ``start``, or cannot be placed (then True: the caller leaves the write-back)."""
+    for user in tensor.users:
+        if user is writeback:
+            continue
+        if user.op != "call_function" or position[user] >= start:
+            return True
+        alias = _returns_alias(user)
+        if alias is None or (alias and _read_after(user, writeback, position, start)):
+            return True
+    return False
+
+
+@graph_pass(
+    after=(
+        "sink_quantized_receives",
+        "schedule_collectives",
+        "prefetch_block_all_gathers",
+        "reinplace_broadcasts",
+        "all_gather_as_all_to_all",
+        "reduce_scatter_as_all_to_all",
+    )
+)
+def hoist_input_writebacks(graph: Graph) -> bool:
+    """Move each graph input's ``copy_`` write-back to just after the value it writes, where
+    nothing later reads the input (see the module docstring). Returns True when the graph
+    changed."""
+    check_graph(PASS, graph)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    for node in graph.find_nodes(op="call_function", target=COPY):
+        target, value = node.args[0], node.args[1]
+        if not (isinstance(target, Node) and target.op == "placeholder") or node.users:
+            continue
+        if not isinstance(value, Node) or value.op != "call_function" or value.next is node:
+            continue
+        if _read_after(target, node, position, position[value] + 1):
+            record(PASS, "skipped: the input is read after its new value", node)
+            continue
+        value.append(node)
+        record(PASS, "write-back moved to its value", node)
+        changed = True
+    return changed
