@@ -3,9 +3,11 @@
 AOTAutograd gives a graph that updates an input in place (a state tensor of a hook, an
 optimizer's state, BatchNorm's running statistics) a ``copy_`` epilogue: the new value is
 computed where the program computed it, held in a buffer of its own, and copied into the input
-at the end of the graph. Inductor fuses a store into the kernel that computes its value only
-when nothing stands between them, so the epilogue costs a kernel that reads the buffer back and
-writes the input. The pass moves each write-back to just after its value::
+at the end of the graph. Where a collective stands between the two, Inductor keeps the value
+in that buffer and writes the input from a later kernel, which reads the buffer back
+(``tests/passes/test_hoist_input_writebacks.py`` reads it in the generated code). The pass
+moves each write-back to just after its value, so the kernel that computes the value stores
+into the input::
 
     before                                   after
     x = add(grad, e)                         x = add(grad, e)
