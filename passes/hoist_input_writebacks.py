@@ -19,8 +19,8 @@ into the input::
 
 A write-back ``copy_(e, r)`` (``e`` a graph input, the copy's result unused) moves when every
 other reader of ``e``, and of every view of ``e``, comes before ``r``: from ``r`` on nothing
-expects the old value. A reader the pass cannot place (a view op that is not an ATen overload,
-the graph's output) keeps the write-back where it is. AOTAutograd never gives two graph inputs
+expects the old value. A reader whose aliasing the pass cannot tell (a call that is not an
+ATen overload) or the graph's output keeps the write-back where it is. AOTAutograd never gives two graph inputs
 that alias where one is mutated (it merges them into one synthetic base), so ``e``'s views are
 the only aliases. Values are the same: ``e`` holds its new value from its last read on, as at
 the end. Collectives, their order and their arguments do not change. Idempotent. Run last:
@@ -29,10 +29,13 @@ the passes before it reorder nodes, and a write-back must stay after its value.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import Graph, Node
 
 from ._graph import aten, check_graph, record
+from ._traversal import aliases
 from .interface import graph_pass
 
 __all__ = ["hoist_input_writebacks"]
@@ -41,25 +44,21 @@ PASS = "hoist_input_writebacks"
 COPY = aten.copy_.default
 
 
-def _returns_alias(node: Node) -> bool | None:
-    """Whether ``node``'s result may alias one of its inputs; None when its op is unknown."""
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return None
-    return any(r.alias_info is not None for r in node.target._schema.returns)
-
-
-def _read_after(tensor: Node, writeback: Node, position: dict[Node, int], start: int) -> bool:
-    """Whether a reader of ``tensor`` or of a view of it, other than ``writeback``, comes at or
-    after ``start``, or cannot be placed (then True: the caller leaves the write-back)."""
-    for user in tensor.users:
-        if user is writeback:
-            continue
-        if user.op != "call_function" or position[user] >= start:
-            return True
-        alias = _returns_alias(user)
-        if alias is None or (alias and _read_after(user, writeback, position, start)):
-            return True
-    return False
+def _read_after(target: Node, writeback: Node, position: dict[Node, int], start: int) -> bool:
+    """Whether a reader of ``target`` or of a view of it, other than ``writeback``, comes at or
+    after ``start``, or is a call whose aliasing is unknown (then True: the write-back stays)."""
+    return any(
+        user is not writeback
+        and (
+            user.op != "call_function"
+            or position[user] >= start
+            or not (
+                user.target is operator.getitem or isinstance(user.target, torch._ops.OpOverload)
+            )
+        )
+        for alias in aliases(target)
+        for user in alias.users
+    )
 
 
 @graph_pass(
