@@ -20,11 +20,12 @@ into the input::
 A write-back ``copy_(e, r)`` (``e`` a graph input, the copy's result unused) moves when every
 other reader of ``e``, and of every view of ``e``, comes before ``r``: from ``r`` on nothing
 expects the old value. A reader whose aliasing the pass cannot tell (a call that is not an
-ATen overload) or the graph's output keeps the write-back where it is. AOTAutograd never gives two graph inputs
-that alias where one is mutated (it merges them into one synthetic base), so ``e``'s views are
-the only aliases. Values are the same: ``e`` holds its new value from its last read on, as at
-the end. Collectives, their order and their arguments do not change. Idempotent. Run last:
-the passes before it reorder nodes, and a write-back must stay after its value.
+ATen overload) or the graph's output keeps the write-back where it is. AOTAutograd never gives
+two graph inputs that alias where one is mutated (it merges them into one synthetic base), so
+``e``'s views are the only aliases. Values are the same: ``e`` holds its new value from its
+last read on, as at the end. Collectives, their order and their arguments do not change.
+Idempotent. Run last: the passes before it reorder nodes, and a write-back must stay after its
+value.
 """
 
 from __future__ import annotations
