@@ -35,12 +35,11 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_sync import INT8, MODELS, OURS, SMOKE_MODEL, Config
 from launch import add_smoke_argument, apply_smoke, launch
-from step_timeline import MATMULS
+from step_timeline import MATMULS, profiled_steps
 
 from compiled_hooks import graph_contract
 
@@ -83,21 +82,13 @@ def by_category(events: Iterable, steps: int) -> dict[str, float]:
     return ms
 
 
-def profiled(c: Config, steps: int) -> dict[str, float]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            dist.barrier()
-            c.step()
-    return by_category(prof.events(), steps)
-
-
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     torch._inductor.config.cpp.enable_kernel_profile = True
     configs = [Config(name, args.model, i, {}) for i, name in enumerate([OURS[0], INT8])]
     for c in configs:
         c.step()  # compile
         c.step()  # compiled autograd may build one more graph on the second step
-    mine = {c.name: profiled(c, args.steps) for c in configs}
+    mine = {c.name: by_category(profiled_steps(c.step, args.steps), args.steps) for c in configs}
     every: list[dict] = [{}] * world_size
     dist.all_gather_object(every, mine)
     if rank != 0:
