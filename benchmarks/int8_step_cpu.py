@@ -10,15 +10,15 @@ Inductor's kernel profiling on (``cpp.enable_kernel_profile``: every generated C
 event of its own). Every event's self CPU time goes to the first category that it or an
 op around it belongs to (:func:`by_category`), per step, the median over the ranks:
 
-- the int8 hook's custom ops with everything they call: the residuals' read and keep
-  (``compiled_hooks::quantized_error`` / ``quantized_keep_error``, their copies included) and
-  the receive's dequantize (``compiled_hooks::dequantize_packed``);
+- the int8 hook's custom op with everything it calls: the receive's dequantize
+  (``compiled_hooks::dequantize_packed``);
 - the bucket's cat (``aten::cat``), the matmuls, the collectives' waits;
-- Inductor's generated kernels (``..._cpp_fused_...``): the int8 send and shard quantize are
-  among them, beside the work both hooks do (the bf16 casts and the backward's pointwise ops);
+- Inductor's generated kernels (``..._cpp_fused_...``): the int8 send and shard quantize, with
+  the residuals' updates written in place, are among them, beside the work both hooks do (the
+  bf16 casts and the backward's pointwise ops);
 - the rest.
 
-The int8 work per step is its read and keep, dequantize and cat rows plus its generated
+The int8 work per step is its dequantize and cat rows plus its generated
 kernels: all of them (an upper bound, since they hold the backward's own pointwise work too), and
 only what they take beyond the bf16 configuration's (a lower one, since the bf16 kernels cast and
 sum where the int8 ones quantize).
@@ -43,7 +43,6 @@ from step_timeline import MATMULS, profiled_steps
 
 from compiled_hooks import graph_contract
 
-RESIDUALS = "residual read and keep ops"
 DEQUANTIZE = "dequantize op"
 CAT = "bucket cat"
 MATMUL = "matmuls"
@@ -52,14 +51,12 @@ KERNELS = "generated kernels"
 REST = "the rest"
 # the categories an event's own name puts it in, outermost first when nested
 OPS = {
-    graph_contract.QUANTIZED_ERROR.name(): RESIDUALS,
-    graph_contract.QUANTIZED_KEEP_ERROR.name(): RESIDUALS,
     graph_contract.DEQUANTIZE_PACKED.name(): DEQUANTIZE,
     "aten::cat": CAT,
     "_c10d_functional::wait_tensor": WAITS,
     **{name: MATMUL for name in MATMULS},
 }
-CATEGORIES = [RESIDUALS, DEQUANTIZE, CAT, KERNELS, MATMUL, WAITS, REST]
+CATEGORIES = [DEQUANTIZE, CAT, KERNELS, MATMUL, WAITS, REST]
 
 
 def category(name: str) -> str | None:
@@ -102,12 +99,12 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     print(f"| category | {OURS[0]} | {INT8} |\n|---|---:|---:|")
     for k in CATEGORIES:
         print(f"| {k} | {median[(OURS[0], k)]:.1f} | {median[(INT8, k)]:.1f} |")
-    ops = sum(median[(INT8, k)] for k in (RESIDUALS, DEQUANTIZE, CAT))
+    ops = sum(median[(INT8, k)] for k in (DEQUANTIZE, CAT))
     kernels, bf16_kernels = median[(INT8, KERNELS)], median[(OURS[0], KERNELS)]
     print(
         f"\nint8 work per step: {ops + kernels:.1f} ms with all its generated kernels, "
         f"{ops + kernels - bf16_kernels:.1f} ms with those beyond the bf16 configuration's "
-        f"({ops:.1f} ms of read and keep, dequantize and cat)"
+        f"({ops:.1f} ms of dequantize and cat)"
     )
     return True
 

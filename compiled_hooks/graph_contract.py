@@ -18,10 +18,10 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
 - **The int8 path** (:mod:`compiled_hooks.int8`): every collective that carries packed int8
   rows is traced under ``meta["custom"][INT8]`` (True); the passes take a collective for one
   by the mark and its int8 input. Compiled autograd drops the marks from the backward it
-  compiles: in a graph with no mark, the int8 input alone. The error-feedback residual comes in
-  through :data:`QUANTIZED_ERROR` and goes out through :data:`QUANTIZED_KEEP_ERROR` (a side
-  effect); each touches only its residual, named by its arguments 1 to 3 ``(state_id, key,
-  part)``, so ops on different residuals commute and the passes may reorder them. A packed
+  compiles: in a graph with no mark, the int8 input alone. The error-feedback residuals are
+  graph inputs that the graph updates in place: functionalization reads the input and writes
+  the new value back with a ``copy_`` into it at the graph's end, so the receive side of an
+  int8 collective holds no side effect. A packed
   collective's result (int8 blocks behind their 4-byte scales) is read only by
   :data:`DEQUANTIZE_PACKED`, which takes any strides, so the passes may bucket it.
 - **PowerSGD** counts each hook call with :data:`POWERSGD_COUNT` (a side effect), whose use
@@ -43,8 +43,6 @@ from .ops import (
     DEQUANTIZE_PACKED,
     GROUP_RANK,
     POWERSGD_COUNT,
-    QUANTIZED_ERROR,
-    QUANTIZED_KEEP_ERROR,
 )
 
 __all__ = [
@@ -55,8 +53,6 @@ __all__ = [
     "DEQUANTIZE_PACKED",
     "GROUP_RANK",
     "POWERSGD_COUNT",
-    "QUANTIZED_ERROR",
-    "QUANTIZED_KEEP_ERROR",
     "VERIFY_ENV",
     "env_flag",
 ]

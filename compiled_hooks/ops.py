@@ -12,12 +12,6 @@ rank guard's protocol), the op calls into it.
   when the graph runs and returns the Q its power iteration starts from
   (:mod:`compiled_hooks.powersgd`; a graph names its state by the id :func:`register_state`
   gave it). Has a side effect: never dead-code eliminated.
-* ``quantized_error(like, state_id, key, part) -> error`` and
-  ``quantized_keep_error(residual, state_id, key, part, row, shape)``: the int8 hook's error
-  feedback (:mod:`compiled_hooks.int8.hook`), read and kept in its state when the graph runs;
-  the read returns a copy (zeros before the first keep), the keep copies ``residual``, given in
-  the block layout its loop computes it in, into the state in ``shape``. The keep has a side
-  effect.
 * ``dequantize_packed(packed, block_size) -> values``: fp32 ``[rows, blocks, block_size]`` of
   the int8 rows a quantized collective received (:func:`compiled_hooks.int8.codec.
   dequantize_packed`), computed by ATen; the int8 collectives call it on CPU for rows from
@@ -37,15 +31,13 @@ from typing import Any
 import torch
 
 from . import compat, rank_guard
-from .int8.codec import dequantize_packed_eager, from_blocks, packed_blocks
+from .int8.codec import dequantize_packed_eager, packed_blocks
 
 __all__ = [
     "group_rank",
     "register_state",
     "GROUP_RANK",
     "POWERSGD_COUNT",
-    "QUANTIZED_ERROR",
-    "QUANTIZED_KEEP_ERROR",
     "DEQUANTIZE_PACKED",
     "CHECK_RANKS",
 ]
@@ -104,37 +96,6 @@ def powersgd_fold_error(error: torch.Tensor, grad: torch.Tensor) -> None:
     error.add_(grad)
 
 
-@torch.library.custom_op("compiled_hooks::quantized_error", mutates_args=())
-def quantized_error(like: torch.Tensor, state_id: int, key: str, part: int) -> torch.Tensor:
-    """A copy of the error kept for ``(key, part)``, shaped and typed like ``like``; zeros
-    before the first keep."""
-    hook = "int8_compress_hook"
-    return _state(state_id, hook).read_error(key, part, like, hook)
-
-
-@quantized_error.register_fake
-def _(like: torch.Tensor, state_id: int, key: str, part: int) -> torch.Tensor:
-    return torch.empty_like(like)
-
-
-@torch.library.custom_op("compiled_hooks::quantized_keep_error", mutates_args=())
-def quantized_keep_error(
-    residual: torch.Tensor, state_id: int, key: str, part: int, row: int, shape: list[int]
-) -> None:
-    """Keep ``residual``, in :func:`~compiled_hooks.int8.codec.to_blocks`'s block layout, as the
-    error of ``(key, part)``: its rows cut to ``row`` elements, the first ``prod(shape)`` in
-    ``shape`` (:func:`~compiled_hooks.int8.codec.from_blocks`), copied."""
-    error = from_blocks(residual, row, shape)
-    _state(state_id, "int8_compress_hook").keep_error(key, part, error)
-
-
-@quantized_keep_error.register_fake
-def _(
-    residual: torch.Tensor, state_id: int, key: str, part: int, row: int, shape: list[int]
-) -> None:
-    return None
-
-
 # flexible_layout: it takes ``packed`` in whatever strides it comes (a bucket's columns), where
 # Inductor would otherwise copy it into the strides it had when traced
 @torch.library.custom_op(
@@ -167,12 +128,9 @@ def _(record: str) -> None:
 
 GROUP_RANK = torch.ops.compiled_hooks.group_rank.default
 POWERSGD_COUNT = torch.ops.compiled_hooks.powersgd_count.default
-QUANTIZED_ERROR = torch.ops.compiled_hooks.quantized_error.default
-QUANTIZED_KEEP_ERROR = torch.ops.compiled_hooks.quantized_keep_error.default
 DEQUANTIZE_PACKED = torch.ops.compiled_hooks.dequantize_packed.default
 CHECK_RANKS = torch.ops.compiled_hooks.check_ranks.default
 
-# The count, the keep and the check matter even where nothing reads their results.
+# The count and the check matter even where nothing reads their results.
 torch.fx.node.has_side_effect(POWERSGD_COUNT)
-torch.fx.node.has_side_effect(QUANTIZED_KEEP_ERROR)
 torch.fx.node.has_side_effect(CHECK_RANKS)

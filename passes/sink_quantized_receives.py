@@ -3,34 +3,32 @@ compute needs it.
 
 ``int8_compress_hook`` (:mod:`compiled_hooks.int8.hook`) writes each gradient's whole round
 trip where the hook is called, in the middle of a compiled backward: quantize, all-to-all,
-then at once its wait, the dequantize and sum, the shard's re-quantization (its residual kept,
-a side effect) and the all-gather. The wait blocks the backward on the wire, and
-``schedule_collectives`` cannot sink it: its first use is the dequantize, and the residual's
-keep stops anything from moving. This pass moves each int8 collective's wait and everything
-that depends on it down, in graph order, to just before the first node that must stay after
-them, so the rest of the backward runs while the rows are on the wire::
+then at once its wait, the dequantize and sum, the shard's re-quantization and the all-gather.
+The wait blocks the backward on the wire, and ``schedule_collectives`` cannot sink it: its first
+use, the dequantize, follows it at once. This pass moves each int8 collective's wait and
+everything that depends on it down, in graph order, to just before the first node that must stay
+after them, so the rest of the backward runs while the rows are on the wire::
 
     before                                     after
     g1 = mm(...)                               g1 = mm(...)
     a1 = all_to_all(pack(quantize(g1)))        a1 = all_to_all(pack(quantize(g1)))
     w1 = wait_tensor(a1)                       g2 = mm(...)                 # a1 on the wire
     s1 = quantize(sum(dequantize(w1)))         a2 = all_to_all(pack(quantize(g2)))
-    quantized_keep_error(s1, ...)              w1 = wait_tensor(a1)
-    b1 = all_gather(pack(s1))                  s1 = quantize(sum(dequantize(w1)))
-    g2 = mm(...)                               quantized_keep_error(s1, ...)
+    b1 = all_gather(pack(s1))                  w1 = wait_tensor(a1)
+    g2 = mm(...)                               s1 = quantize(sum(dequantize(w1)))
     a2 = all_to_all(pack(quantize(g2)))        b1 = all_gather(pack(s1))    # a2 on the wire
     w2 = wait_tensor(a2)                       w2 = wait_tensor(a2)
     ...                                        ...
+    copy_(error, ...)                          copy_(error, ...)
     return ...                                 return ...
 
 What moves: the waits of int8 collectives (``graph_contract.INT8``, outside a
 ``data_parallel`` block, whose own passes place its collectives) and the nodes that depend on
-them, while each is pure, a functional collective or its wait, or a residual's read or keep
-(``graph_contract.QUANTIZED_ERROR`` / ``QUANTIZED_KEEP_ERROR``). What they move past: pure
-nodes, our own parallelism's collectives and waits, and residual ops on other residuals (a
-residual op touches only its slot, ``(state, key, part)``, so ops on different slots commute).
-Anything else stops them: a write, another side effect, another parallelism's collective, a
-residual op on a slot they touch, or a dependent that cannot move. Values are the same; every
+them, while each is pure, or a functional collective or its wait (the residuals the hook
+updates are graph inputs, written back at the graph's end: ``graph_contract``). What they move
+past: pure nodes, and our own parallelism's collectives and waits. Anything else stops them: a
+write (such as a residual's write-back), another side effect, another parallelism's collective,
+or a dependent that cannot move. Values are the same; every
 node keeps its inputs, and nodes that move keep their order. Collective order changes, the same
 on every rank (it is a function of the graph). Idempotent: a second run finds every receive
 side already at its stop.
@@ -38,11 +36,7 @@ side already at its stop.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch.fx import Graph, Node
-
-from compiled_hooks.graph_contract import QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR
 
 from ._graph import (
     ALL_GATHER,
@@ -62,16 +56,6 @@ from .interface import graph_pass
 __all__ = ["sink_quantized_receives"]
 
 PASS = "sink_quantized_receives"
-RESIDUAL_OPS = (QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR)
-UNKNOWN = ("unknown residual",)  # a residual op whose slot is not in its positional args
-
-
-def _slot(node: Node) -> tuple[Any, ...] | None:
-    """The residual a read or keep op touches: ``(state_id, key, part)``, or ``UNKNOWN``; None
-    for other nodes."""
-    if not is_op(node, RESIDUAL_OPS):
-        return None
-    return tuple(node.args[1:4]) if len(node.args) >= 4 else UNKNOWN
 
 
 def _starts(graph: Graph) -> set[Node]:
@@ -94,24 +78,12 @@ def _unordered(node: Node) -> bool:
     return not mutates(node) and not node.is_impure()
 
 
-def _may_move(node: Node) -> bool:
-    """A dependent of a receive that may move with it."""
-    if node.op != "call_function":
-        return False
-    return _slot(node) is not None or _unordered(node)
-
-
-def _may_pass(node: Node, slots: set[tuple[Any, ...]]) -> bool:
+def _may_pass(node: Node) -> bool:
     """A node the moving ones may go below: it neither writes what they read nor orders a side
     effect with theirs."""
     if node.op in ("placeholder", "get_attr"):
         return True
-    if node.op != "call_function":
-        return False  # output, or a module or method call the pass cannot see into
-    slot = _slot(node)
-    if slot is not None:
-        return slot != UNKNOWN and UNKNOWN not in slots and slot not in slots
-    return _unordered(node)
+    return node.op == "call_function" and _unordered(node)
 
 
 @graph_pass(after=("bucket_quantized_collectives",))
@@ -123,18 +95,14 @@ def sink_quantized_receives(graph: Graph) -> bool:
     if not starts:
         return False
     held: dict[Node, None] = {}  # the nodes on their way down, in graph order
-    slots: set[tuple[Any, ...]] = set()  # the residuals they touch
     passed = False  # whether a node stays above them since the walk began holding
     changed = False
     for node in list(graph.nodes):
         depends = node in starts or any(i in held for i in node.all_input_nodes)
-        if depends and _may_move(node):
+        if depends and node.op == "call_function" and _unordered(node):
             held[node] = None
-            slot = _slot(node)
-            if slot is not None:
-                slots.add(slot)
             continue
-        if not held or (not depends and _may_pass(node, slots)):
+        if not held or (not depends and _may_pass(node)):
             passed |= bool(held)
             continue
         if passed:  # the stop: what is held goes right before it
@@ -142,5 +110,5 @@ def sink_quantized_receives(graph: Graph) -> bool:
                 node.prepend(h)
             record(PASS, f"moved an int8 receive side of {len(held)} nodes down", node)
             changed = True
-        held, slots, passed = {}, set(), False
+        held, passed = {}, False
     return changed

@@ -27,12 +27,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
-from compiled_hooks.graph_contract import (
-    GROUP_RANK,
-    POWERSGD_COUNT,
-    QUANTIZED_ERROR,
-    QUANTIZED_KEEP_ERROR,
-)
+from compiled_hooks.graph_contract import GROUP_RANK, POWERSGD_COUNT
 
 from ._graph import (
     ALL_GATHER,
@@ -114,10 +109,6 @@ _SIMULATED: dict[Any, Callable[..., Any]] = {
     POWERSGD_COUNT: lambda grad, state_id, slot, rows, cols: torch.randn(
         rows, cols, generator=torch.Generator().manual_seed(slot), dtype=grad.dtype
     ).to(grad.device),
-    # The int8 hook's residuals: never read or kept (it would change the state); a residual of
-    # zeros, the same in both graphs.
-    QUANTIZED_ERROR: lambda like, state_id, key, part: torch.zeros_like(like),
-    QUANTIZED_KEEP_ERROR: lambda residual, state_id, key, part, row, shape: None,
 }
 
 

@@ -31,6 +31,8 @@ __all__ = [
     "quantizes",
     "input_types",
     "cpp_writers",
+    "cpp_input_writers",
+    "allocations",
 ]
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(.*?'''(.*?)'''", re.M | re.S)
@@ -119,9 +121,9 @@ def quantizes(source: str) -> bool:
     return any(re.search(p, source) for p in _ROUND)
 
 
-def cpp_writers(code: str, buffer: str) -> list[set[str]]:
-    """For every C++ kernel call that writes ``buffer`` (a non-const pointer of its
-    signature), the buffers and graph inputs that call reads; CPU code only."""
+def _cpp_calls(code: str) -> list[tuple[str, set[str], set[str]]]:
+    """Every C++ kernel call: ``(kernel, read, written)``, the buffers and graph inputs behind
+    its const and its non-const pointers."""
     signatures = {
         name: re.findall(r"'(const )?[\w:]+\*?'", types)
         for name, types in re.findall(
@@ -130,11 +132,33 @@ def cpp_writers(code: str, buffer: str) -> list[set[str]]:
     }
     found = []
     for name, args in re.findall(r"^\s*(\w+)\((.*)\)$", _call_body(code), re.M):
-        if name not in signatures:
-            continue
-        names = [a.strip() for a in args.split(",")]
-        read = {n for n, const in zip(names, signatures[name]) if const}
-        written = {n for n, const in zip(names, signatures[name]) if not const}
-        if buffer in written:
-            found.append(read)
+        if name in signatures:
+            names = [a.strip() for a in args.split(",")]
+            read = {n for n, const in zip(names, signatures[name]) if const}
+            written = {n for n, const in zip(names, signatures[name]) if not const}
+            found.append((name, read, written))
     return found
+
+
+def cpp_writers(code: str, buffer: str) -> list[set[str]]:
+    """For every C++ kernel call that writes ``buffer`` (a non-const pointer of its
+    signature), the buffers and graph inputs that call reads; CPU code only."""
+    return [read for _, read, written in _cpp_calls(code) if buffer in written]
+
+
+def cpp_input_writers(code: str) -> dict[str, list[str]]:
+    """Every graph input (``argN_1``) a C++ kernel writes: the kernels that write it, in call
+    order; CPU code only."""
+    found: dict[str, list[str]] = {}
+    for name, _, written in _cpp_calls(code):
+        for arg in sorted(a for a in written if re.fullmatch(r"arg\d+_1", a)):
+            found.setdefault(arg, []).append(name)
+    return found
+
+
+def allocations(code: str, dtype: str) -> list[tuple[int, ...]]:
+    """The shape of every buffer of ``dtype`` ("float32", ...) that ``call()`` allocates."""
+    found = re.findall(
+        rf"empty_strided_\w+\(\(([\d, ]*)\), \([\d, ]*\), torch\.{dtype}\)", _call_body(code)
+    )
+    return [tuple(int(d) for d in shape.replace(" ", "").split(",") if d) for shape in found]

@@ -110,6 +110,18 @@ class Reduction:
     def shard_size(self) -> int:
         return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
 
+    def hook_shapes(self, layout: Layout) -> tuple[torch.Size, torch.Size | None]:
+        """The shapes the hook gets for ``layout``'s gradient: ``(grad, output)``, ``output``
+        None for the all-reduce form (no shard group); sharded, ``grad`` is padded to whole
+        shards."""
+        if self.shard_group is None:
+            return layout.shape, None
+        rest = tuple(layout.shape[1:])
+        return (
+            torch.Size((layout.rows * self.shard_size(), *rest)),
+            torch.Size((layout.rows, *rest)),
+        )
+
     def hook_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """(dtype the hook's input is cast to, dtype of its output)."""
         if isinstance(self.state, LowPrecisionState):
@@ -165,8 +177,9 @@ class _GatherReduce(torch.autograd.Function):
             g = grad.to(in_dtype, copy=True)
             r.hook(r.state, g, **key)
             return g.to(ctx.dtype), None, None, None
-        g = _pad_rows(grad.to(in_dtype), layout.rows * r.shard_size()).contiguous()
-        out = g.new_empty((layout.rows, *layout.shape[1:]), dtype=out_dtype)
+        grad_shape, out_shape = r.hook_shapes(layout)
+        g = _pad_rows(grad.to(in_dtype), grad_shape[0]).contiguous()
+        out = g.new_empty(out_shape, dtype=out_dtype)
         r.hook(r.state, g, out, **key)
         if r.replica_hook is not None:
             r.replica_hook(r.replica_state, out, **key)

@@ -14,6 +14,7 @@ from ..hooks import allreduce_hook, reduce_scatter_hook
 from ..int8.state import QuantizedState
 from ..state import DefaultState, LowPrecisionState
 from .fsdp2 import ALREADY, ROOT_ONLY
+from .gather import Reduction
 
 __all__ = ["register_comm_hook"]
 
@@ -39,7 +40,8 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
     all-reduces the shard across the replicas with the same hook's ``hook(state, grad)`` form
     (``allreduce_hook`` for ``reduce_scatter_hook``) over the replicate group, so the result is
     averaged over all ranks. ``"replicate"`` calls ``hook(state, grad)``. A hook that takes
-    ``param=`` (``int8_compress_hook``) gets the parameter's fully qualified name."""
+    ``param=`` (``int8_compress_hook``) gets the parameter's fully qualified name; a
+    ``QuantizedState`` gets its residuals created here (``QuantizedState.prepare``)."""
     name = "register_comm_hook"
     dp = getattr(module, "_data_parallel", None)
     if dp is None:
@@ -102,3 +104,18 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
         r.replica_hook = replica_hook
         r.replica_state = _replica_state(state, dp.replicate_group)
     dp.comm_hook, dp.comm_hook_state = hook, state
+    _prepare_residuals(module, r)
+
+
+def _prepare_residuals(module: nn.Module, r: Reduction) -> None:
+    """Create the int8 hook's error-feedback residuals now, for every parameter: its backward,
+    traced under ``torch.compile`` inside an ``autograd.Function``, cannot create them."""
+    for m in module.modules():
+        layouts = getattr(m, "_data_parallel_layouts", {})
+        for n, param in m.named_parameters(recurse=False):
+            layout, device = layouts[n], param.device
+            grad, out = r.hook_shapes(layout)
+            if isinstance(r.state, QuantizedState):
+                r.state.prepare(layout.name, grad, device, reduce_scatter=out is not None)
+            if isinstance(r.replica_state, QuantizedState) and out is not None:
+                r.replica_state.prepare(layout.name, out, device, reduce_scatter=False)

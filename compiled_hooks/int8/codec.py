@@ -38,9 +38,13 @@ import torch.nn.functional as F
 __all__ = [
     "QMAX",
     "quantize",
+    "quantize_blocks",
     "dequantize",
     "to_blocks",
     "from_blocks",
+    "to_rows",
+    "to_row_blocks",
+    "from_row_blocks",
     "check_block_size",
     "pack",
     "pack_by_cat",
@@ -70,7 +74,11 @@ def check_block_size(owner: str, block_size: object) -> int:
 def quantize(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D, floating point) -> ``(q, scales)``: int8 ``[rows, blocks, block_size]`` and
     fp32 ``[rows, blocks]``, ``blocks = ceil(n / block_size)`` (see the module docstring)."""
-    blocks = to_blocks(x, block_size)
+    return quantize_blocks(to_blocks(x, block_size))
+
+
+def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of values already in :func:`to_blocks`' layout (fp32)."""
     scales = blocks.abs().amax(dim=2) / QMAX
     # scale 0 (an all-zero block) divides by 1; a nan scale is carried by the scale itself
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -84,6 +92,24 @@ def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     index."""
     rows, n = x.shape
     return F.pad(x.float(), (0, -n % block_size)).view(rows, -1, block_size)
+
+
+def to_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` flat, zero-padded to ``rows`` equal rows: ``[rows, ceil(numel / rows)]``, row ``r``
+    the part that travels to rank ``r``."""
+    n = -(-x.numel() // rows)
+    return F.pad(x.reshape(-1), (0, n * rows - x.numel())).view(rows, n)
+
+
+def to_row_blocks(x: torch.Tensor, rows: int, block_size: int) -> torch.Tensor:
+    """``x`` in :func:`to_rows`' rows, in :func:`to_blocks`' layout: fp32 ``[rows, blocks,
+    block_size]``."""
+    return to_blocks(to_rows(x, rows), block_size)
+
+
+def from_row_blocks(blocks: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """:func:`to_row_blocks` back, for values of ``shape``."""
+    return from_blocks(blocks, -(-math.prod(shape) // blocks.shape[0]), shape)
 
 
 def from_blocks(blocks: torch.Tensor, n: int, shape: Sequence[int]) -> torch.Tensor:

@@ -37,10 +37,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .. import compat, ops, validation
-from .codec import dequantize, from_blocks, pack, quantize, to_blocks
+from .. import compat, validation
+from .codec import (
+    dequantize,
+    from_row_blocks,
+    pack,
+    quantize,
+    quantize_blocks,
+    to_blocks,
+    to_row_blocks,
+    to_rows,
+)
 from .collectives import (
     all_gather_quantized,
     gathered_values,
@@ -77,55 +85,19 @@ def _key(state: QuantizedState, param: object) -> str | None:
     return state.key(param)
 
 
-def _read(state: QuantizedState, key: str, part: int, like: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # read when the graph runs
-        return ops.quantized_error(like, state.state_id, key, part)
-    return state.read_error(key, part, like, NAME)
-
-
 def _residual(x: torch.Tensor, sent: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
     """``x - sent``; where that is not finite, the error ``folded`` into ``x`` stays."""
     residual = x - sent
     return torch.where(torch.isfinite(residual), residual, folded)
 
 
-def _keep(
-    state: QuantizedState, key: str, part: int, residual: torch.Tensor, row: int, shape: torch.Size
-) -> None:
-    """Keep ``residual``, in the block layout of rows of ``row`` elements, as the error of
-    ``(key, part)``, in ``shape`` (:func:`~compiled_hooks.int8.codec.from_blocks`)."""
-    if torch.compiler.is_compiling():
-        ops.quantized_keep_error(residual, state.state_id, key, part, row, list(shape))
-    else:
-        state.keep_error(key, part, from_blocks(residual, row, shape))
-
-
-def _quantize_keeping(
-    state: QuantizedState,
-    key: str,
-    part: int,
-    x: torch.Tensor,
-    folded: torch.Tensor,
-    shape: torch.Size,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` of the rows ``x`` (``folded``, the rows of the error read, already in
-    them), keeping the residual as the error of ``(key, part)`` in ``shape``.
-
-    The residual stays in the block layout up to the keep, which cuts it to ``shape``: a loop
-    over the blocks indexes every input linearly, where a loop over ``shape`` would find each
-    element's block by a division."""
-    bs = state.block_size
-    q, scales = quantize(x, bs)
-    residual = _residual(to_blocks(x, bs), q.float() * scales.unsqueeze(2), to_blocks(folded, bs))
-    _keep(state, key, part, residual, x.shape[1], shape)
+def _quantize_keeping(error: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blocks` of ``x`` (blocks with ``error``, in the same layout, already
+    added), writing the new residual into ``error`` in place: one loop over the blocks computes
+    both, indexing every input linearly."""
+    q, scales = quantize_blocks(x)
+    error.copy_(_residual(x, q.float() * scales.unsqueeze(2), error))
     return q, scales
-
-
-def _rows(state: QuantizedState, x: torch.Tensor) -> torch.Tensor:
-    """``x`` flat, zero-padded to whole shards, as ``[world_size, shard]``."""
-    world = state.world_size
-    shard = -(-x.numel() // world)
-    return F.pad(x.reshape(-1), (0, shard * world - x.numel())).view(world, shard)
 
 
 def _quantize_shard(
@@ -134,9 +106,8 @@ def _quantize_shard(
     """The averaged shard ``mine`` quantized for the all-gather (its error folded in and kept)."""
     if key is None:
         return quantize(mine.unsqueeze(0), state.block_size)
-    folded = _read(state, key, SHARD, mine)
-    y = (mine + folded).unsqueeze(0)
-    return _quantize_keeping(state, key, SHARD, y, folded.unsqueeze(0), mine.shape)
+    error = state.residual(key, SHARD, mine.shape, mine.device, NAME)
+    return _quantize_keeping(error, to_blocks(mine.unsqueeze(0), state.block_size) + error)
 
 
 def int8_compress_hook(
@@ -158,14 +129,12 @@ def int8_compress_hook(
     key = _key(state, param)
     # Flat before any arithmetic: the rows and blocks of a flat tensor are views with linear
     # indices, where those of an N-d gradient take a division and a modulo per element.
-    x = grad.reshape(-1).float()
+    rows = to_rows(grad.reshape(-1).float(), state.world_size)
     if key is None:
-        rows = _rows(state, x)
         q, scales = quantize(rows, state.block_size)
     else:
-        folded = _read(state, key, WORKER, x.view(grad.shape)).reshape(-1)
-        rows = _rows(state, x + folded)
-        q, scales = _quantize_keeping(state, key, WORKER, rows, _rows(state, folded), grad.shape)
+        error = state.residual(key, WORKER, grad.shape, grad.device, NAME)
+        q, scales = _quantize_keeping(error, to_blocks(rows, state.block_size) + error)
     shard = rows.shape[1]
     mine = reduce_scatter_quantized(q, scales, shard, state.process_group) / state.world_size
     if output is not None:
@@ -191,19 +160,24 @@ def reduce_bucket_async(state: QuantizedState, bucket: Any) -> torch.futures.Fut
     folded = None
     if state.error_feedback:
         spans = [_span(buffer, g) for g in grads]
+        errors = [
+            state.residual(k, WORKER, g.shape, g.device, NAME)  # type: ignore[arg-type]
+            for k, g in zip(keys, grads)
+        ]
         folded = torch.zeros_like(x)
-        for k, g, (start, end) in zip(keys, grads, spans):
-            folded[start:end] = state.read_error(k, WORKER, g.float(), NAME).reshape(-1)  # type: ignore[arg-type]
+        for error, (start, end) in zip(errors, spans):
+            folded[start:end] = from_row_blocks(error, (end - start,))
         x = x + folded
-    rows = _rows(state, x)
-    world, shard, group = state.world_size, rows.shape[1], state.process_group
-    q, scales = quantize(rows, state.block_size)
+    world, group, bs = state.world_size, state.process_group, state.block_size
+    rows = to_rows(x, world)
+    shard = rows.shape[1]
+    q, scales = quantize(rows, bs)
     if folded is not None:
         residual = _residual(x, dequantize(q, scales, shard).reshape(-1)[: x.numel()], folded)
-        for k, g, (start, end) in zip(keys, grads, spans):
-            state.keep_error(k, WORKER, residual[start:end].view(g.shape))  # type: ignore[arg-type]
+        for error, (start, end) in zip(errors, spans):
+            error.copy_(to_row_blocks(residual[start:end], world, bs))
     bucket_key = f"bucket:{bucket.index()}" if state.error_feedback else None
-    order, bs = state.in_order, state.block_size
+    order = state.in_order
     exchange, gather = order.reserve(), order.reserve()
     packed = pack(q, scales)
     received = torch.empty_like(packed)

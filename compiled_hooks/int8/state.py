@@ -3,19 +3,28 @@
 Error feedback keeps, per parameter, what quantization dropped, and adds it to the next step's
 gradient. Two residuals per parameter (*parts*):
 
-- ``WORKER``: this rank's gradient (plus its error) minus what it sent, shaped like the
-  gradient;
+- ``WORKER``: this rank's gradient (plus its error) minus what it sent, as the gradient's
+  values;
 - ``SHARD``: for the all-reduce form, the averaged shard this rank owns minus what it sent in
   the all-gather (the second quantization), ``[shard]``.
 
 A parameter is named by a *key*, a string: its name where the adapter passes one
-(``data_parallel``, FSDP2), else ``"id:<id(param)>"``, which Dynamo reads as a constant (a
-dictionary of the state filled while tracing would make the second step recompile). The
-residuals are tensors of the state, read and written when the hook runs: traced, through the
-custom ops ``compiled_hooks::quantized_error`` / ``quantized_keep_error``
-(:mod:`compiled_hooks.ops`), so a compiled graph needs no buffer of the state as an input and
-is compiled once. A residual element that is not finite (its block held inf or nan, a step the
-grad scaler skips) keeps the error it had before that step.
+(``data_parallel``, FSDP2), else ``"id:<id(param)>"``, which Dynamo reads as a constant.
+
+The residuals are fp32 tensors of the state that the hook reads and updates in place
+(:meth:`QuantizedState.residual`), like an optimizer's state, held in the layout the hook
+quantizes in: the rows that travel to each rank, cut into blocks
+(:func:`~compiled_hooks.int8.codec.to_row_blocks`: ``[world_size, blocks, block_size]`` for
+``WORKER``, ``[1, blocks, block_size]`` for ``SHARD``). A compiled graph takes them as inputs
+and writes each back with a ``copy_`` of the same shape as the value it computes, so Inductor
+writes the residual from the loop that quantizes (``passes.hoist_input_writebacks`` moves the
+write-back next to it). The hook creates a residual the first time it meets its key; traced,
+that creation is a side effect of the first graph, so the second step compiles once more, with
+the residuals as inputs. Where a trace cannot create one (an ``autograd.Function``'s backward
+under ``torch.compile``: ``data_parallel``), :meth:`QuantizedState.prepare` creates them before.
+A residual element that is not finite (its block held inf or nan, a step the grad scaler skips)
+keeps the error it had before that step. Checkpoints hold the residuals as values: the
+gradient's shape, and ``[shard]``.
 """
 
 from __future__ import annotations
@@ -25,14 +34,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import ops
 from ..in_order import InOrder
 from ..state import DefaultState
-from .codec import BLOCK_SIZE, check_block_size
+from .codec import BLOCK_SIZE, check_block_size, from_row_blocks, to_row_blocks
 
 __all__ = ["QuantizedState", "WORKER", "SHARD"]
 
 WORKER, SHARD = 0, 1
+Slot = tuple[str, int]  # (key, part)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's residual as this state keeps one: its own contiguous fp32 copy."""
+    return t.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 class QuantizedState(DefaultState):
@@ -54,12 +68,12 @@ class QuantizedState(DefaultState):
         "bits",
         "block_size",
         "error_feedback",
-        "_shapes",
         "_errors",
+        "_shapes",
+        "_loaded",
         "_order",
         "_pending",
         "in_order",
-        "state_id",
         "__weakref__",
     ]
 
@@ -81,75 +95,131 @@ class QuantizedState(DefaultState):
                 f"QuantizedState: error_feedback must be a bool, got {error_feedback!r}"
             )
         self.error_feedback = error_feedback
-        self._shapes: dict[str, torch.Size] = {}  # key -> the gradient's shape
-        self._errors: dict[tuple[str, int], torch.Tensor] = {}  # (key, part) -> residual
+        self._errors: dict[Slot, torch.Tensor] = {}  # the residuals, in the hook's layout
+        self._shapes: dict[Slot, torch.Size] = {}  # the shape of each residual's values
+        self._loaded: dict[Slot, torch.Tensor] = {}  # a checkpoint's values, for slots to come
         self._order: list[str] = []  # the "id:" keys, in first-call order (for checkpoints)
         self._pending: dict[int, dict[int, torch.Tensor]] = {}  # loaded, for the i-th "id:" key
-        # the hook's interface to this state (with read_error and keep_error below):
-        self.in_order = InOrder()  # the C++ reducer's form issues its collectives through it
-        self.state_id = ops.register_state(self)  # how a compiled graph names this state
+        # the C++ reducer's form issues its collectives through it
+        self.in_order = InOrder()
 
     @staticmethod
     def key(param: object) -> str:
         """The key of ``param``: a name as it is, anything else by its ``id``."""
         return param if isinstance(param, str) else f"id:{id(param)}"
 
-    # -- the hook's interface, run when the hook runs (through ops when traced) -------------
+    # -- the hook's interface -------------------------------------------------------------
 
-    def read_error(self, key: str, part: int, like: torch.Tensor, hook: str) -> torch.Tensor:
-        """A copy of the residual, zeros before the first; ``ValueError`` if the ``WORKER``
-        read finds a gradient of another shape than the key's earlier ones."""
-        if part == WORKER:
-            known = self._shapes.setdefault(key, like.shape)
-            if known != like.shape:
+    def residual(
+        self, key: str, part: int, shape: torch.Size, device: torch.device, hook: str
+    ) -> torch.Tensor:
+        """The residual of ``(key, part)`` itself, for values of ``shape`` (the gradient's, or
+        ``[shard]``), on ``device``, in the hook's layout (the module docstring), for the hook
+        to read and update in place: zeros the first time, a checkpoint's values after
+        :meth:`load_state_dict`. ``ValueError`` if a ``WORKER`` residual was made for another
+        shape (another model's gradient); a ``SHARD`` residual of another shape starts again
+        from zeros (a C++-reducer bucket whose size changed)."""
+        slot = (key, part)
+        if part == WORKER and key.startswith("id:") and key not in self._order:
+            self._order.append(key)
+            for p, t in self._pending.pop(len(self._order) - 1, {}).items():
+                self._loaded[(key, p)] = t
+        kept = self._errors.get(slot)
+        if kept is not None and self._shapes[slot] != shape:
+            if part == WORKER:
                 raise ValueError(
-                    f"{hook}: gradient of shape {tuple(like.shape)} for a parameter whose "
-                    f"gradient had shape {tuple(known)}; make one QuantizedState per model."
+                    f"{hook}: gradient of shape {tuple(shape)} for a parameter whose residual "
+                    f"was made for shape {tuple(self._shapes[slot])}; make one QuantizedState "
+                    "per model."
                 )
-            if key.startswith("id:") and key not in self._order:
-                self._order.append(key)
-                for p, t in self._pending.pop(len(self._order) - 1, {}).items():
-                    self._errors[(key, p)] = t
-        kept = self._errors.get((key, part))
-        if kept is None or kept.shape != like.shape:
-            return torch.zeros_like(like)
-        return kept.to(like.device, like.dtype, copy=True)
+            kept = None
+        if kept is None:
+            values = self._loaded.pop(slot, None)
+            if values is None:
+                values = torch.zeros(shape.numel(), device=device)
+            elif values.numel() != shape.numel():
+                raise ValueError(
+                    f"{hook}: the checkpoint's residual for {key!r} holds {values.numel()} "
+                    f"values, its gradient {shape.numel()}"
+                )
+            kept = self._blocks(part, values.to(device)).contiguous()
+            self._errors[slot], self._shapes[slot] = kept, shape
+        elif kept.device != device:
+            kept = self._errors[slot] = kept.to(device)
+        return kept
 
-    def keep_error(self, key: str, part: int, residual: torch.Tensor) -> None:
-        """Keep ``residual`` (copied) as the error of ``(key, part)``."""
-        kept = self._errors.get((key, part))
-        if kept is None or kept.shape != residual.shape:
-            self._errors[(key, part)] = residual.detach().clone()
-        else:
-            kept.copy_(residual)
+    def prepare(
+        self, key: str, shape: torch.Size, device: torch.device, *, reduce_scatter: bool
+    ) -> None:
+        """Create the residuals the hook will use for gradients of ``shape`` under ``key`` (zeros,
+        or a loaded checkpoint's), for a caller whose hook is traced where it cannot create them;
+        ``reduce_scatter``: the hook is called with ``output`` (no ``SHARD`` residual)."""
+        if not self.error_feedback:
+            return
+        self.residual(key, WORKER, shape, device, "QuantizedState.prepare")
+        if not reduce_scatter:
+            shard = torch.Size([-(-shape.numel() // self.world_size)])
+            self.residual(key, SHARD, shard, device, "QuantizedState.prepare")
+
+    def _blocks(self, part: int, values: torch.Tensor) -> torch.Tensor:
+        """``values`` in the hook's layout for ``part``."""
+        rows = self.world_size if part == WORKER else 1
+        return to_row_blocks(values.float(), rows, self.block_size)
 
     # -- checkpoints ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The residuals: ``errors`` maps a parameter's name, or ``"#i"`` for the ``i``-th
-        parameter the hook was called with first (no name given), to ``{part: tensor}``."""
+        """The residuals as values (the gradient's shape, ``[shard]``): ``errors`` maps a
+        parameter's name, or ``"#i"`` for the ``i``-th parameter the hook was called with
+        first (no name given), to ``{part: tensor}``. A loaded residual not used yet is
+        included."""
+        values = {slot: from_row_blocks(t, self._shapes[slot]) for slot, t in self._errors.items()}
+        values.update(self._loaded)
         errors: dict[str, dict[int, torch.Tensor]] = {}
-        for (key, part), t in self._errors.items():
+        for (key, part), t in values.items():
             name = f"#{self._order.index(key)}" if key.startswith("id:") else key
             errors.setdefault(name, {})[part] = t.clone()
+        for i, parts in self._pending.items():
+            errors[f"#{i}"] = {p: t.clone() for p, t in parts.items()}
         return {"bits": self.bits, "block_size": self.block_size, "errors": errors}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the residuals of :meth:`state_dict`; ``block_size`` must match (a residual is
         the error of one block layout). ``"#i"`` entries go to the ``i``-th parameter this
-        state is called with first: the same model calls in the same order."""
+        state is called with first: the same model calls in the same order. A residual this
+        state already has takes the checkpoint's values in place (zeros where the checkpoint
+        has none): the tensors stay those a compiled graph was traced with. ``ValueError``,
+        before anything changes, for a residual of another size than this state's."""
         if state_dict["block_size"] != self.block_size:
             raise ValueError(
                 f"QuantizedState.load_state_dict: block_size {state_dict['block_size']} in the "
                 f"checkpoint, {self.block_size} in this state"
             )
-        self._errors, self._order, self._pending = {}, [], {}
+        loaded: dict[Slot, torch.Tensor] = {}
+        pending: dict[int, dict[int, torch.Tensor]] = {}
         for name, parts in state_dict["errors"].items():
-            if name.startswith("#"):
-                self._pending[int(name[1:])] = {p: t.clone() for p, t in parts.items()}
+            if not name.startswith("#"):
+                loaded.update(((name, p), _copy(t)) for p, t in parts.items())
+            elif int(name[1:]) < len(self._order):
+                key = self._order[int(name[1:])]
+                loaded.update(((key, p), _copy(t)) for p, t in parts.items())
             else:
-                for p, t in parts.items():
-                    self._errors[(name, p)] = t.clone()
+                pending[int(name[1:])] = {p: _copy(t) for p, t in parts.items()}
+        for slot in self._errors.keys() & loaded.keys():
+            if loaded[slot].numel() != self._shapes[slot].numel():
+                raise ValueError(
+                    f"QuantizedState.load_state_dict: the residual of {slot[0]!r} (part "
+                    f"{slot[1]}) holds "
+                    f"{loaded[slot].numel()} values in the checkpoint, "
+                    f"{self._shapes[slot].numel()} in this state"
+                )
+        for slot, kept in self._errors.items():
+            new = loaded.pop(slot, None)
+            if new is None:
+                kept.zero_()
+            else:
+                kept.copy_(self._blocks(slot[1], new))
+        self._loaded, self._pending = loaded, pending
 
     def __repr__(self) -> str:
         return (

@@ -3,6 +3,7 @@ what rounding drops, residuals through state_dict, non-finite steps, and the hoo
 reducers), data_parallel and FSDP2."""
 
 import contextlib
+import math
 import re
 
 import pytest
@@ -124,6 +125,32 @@ def test_residuals_survive_state_dict(keyed_by_name):
             assert not torch.equal(c, f)
 
 
+def test_checkpoints_hold_values_and_load_in_place(fake_pg):
+    """The state holds a residual in the hook's layout (the rows bound for each rank, in
+    blocks) and a checkpoint holds its values, in the gradient's shape. Loading writes into the
+    residuals that exist; one of another size is refused, before anything changes; one the
+    state has not met yet is kept, and saved again."""
+    from compiled_hooks.int8.state import WORKER
+
+    state = ch.QuantizedState(dist.group.WORLD, block_size=4)  # 8 ranks
+    kept = state.residual("w", WORKER, torch.Size([6, 8]), torch.device("cpu"), "test")
+    assert kept.shape == (8, 2, 4)  # 48 values: 6 a rank, in blocks of 4
+    kept.view(8, -1)[:, :6].copy_(torch.arange(48.0).view(8, 6))
+    saved = state.state_dict()
+    assert torch.equal(saved["errors"]["w"][0], torch.arange(48.0).view(6, 8))
+    kept.zero_()
+    state.load_state_dict(saved | {"errors": {**saved["errors"], "v": {WORKER: torch.ones(3)}}})
+    assert state._errors[("w", WORKER)] is kept
+    assert torch.equal(state.state_dict()["errors"]["w"][0], saved["errors"]["w"][0])
+    assert torch.equal(state.state_dict()["errors"]["v"][0], torch.ones(3))  # not met yet
+    wrong = {**saved, "errors": {"w": {WORKER: torch.zeros(5)}}}
+    with pytest.raises(ValueError, match="holds 5 values in the checkpoint, 48 in this state"):
+        state.load_state_dict(wrong)
+    assert torch.equal(state.state_dict()["errors"]["w"][0], saved["errors"]["w"][0])
+    with pytest.raises(ValueError, match="residual for 'v' holds 3 values, its gradient 4"):
+        state.residual("v", WORKER, torch.Size([4]), torch.device("cpu"), "test")
+
+
 def _nonfinite_worker(rank, world_size):
     state = ch.QuantizedState(dist.group.WORLD, block_size=BLOCK)
     steps = []
@@ -189,7 +216,7 @@ def _ddp_worker(rank, world_size, mode, feedback):
         for before, after in buckets:
             ch.int8_compress_hook(state, before)
             same.append(torch.equal(before, after))
-    residuals = {k: tuple(t.shape) for k, t in state._errors.items()}
+    residuals = {k: tuple(shape) for k, shape in state._shapes.items()}
     return grads, residuals, same
 
 
@@ -254,7 +281,7 @@ def _fsdp2_worker(rank, world_size):
     for a, b in zip(model.parameters(), ref.parameters()):
         a, b = a.grad.full_tensor(), b.grad.full_tensor()
         diffs.append(((a - b).abs().max() / b.abs().max()).item())
-    return diffs, sorted(state._shapes), refused
+    return diffs, sorted({key for key, _ in state._errors}), refused
 
 
 def test_fsdp2_register_comm_hook():
@@ -277,34 +304,50 @@ def _compiled_worker(rank, world_size, steps):
         state = ch.QuantizedState(dist.group.WORLD, block_size=BLOCK)
         ddp, model = ch.compile_ddp(net, state, ch.int8_compress_hook)
         history = []
-        for step in range(steps):
+
+        def run(step, net=net, run=model if compiled else ddp, compiled=compiled):
             net.zero_grad()
             x, y = _batch(rank, step)
-            if compiled:
-                with ch.compiled_autograd():
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-            else:
-                torch.nn.functional.mse_loss(ddp(x), y).backward()
-            history.append([p.grad.clone() for p in net.parameters()])
+            with ch.compiled_autograd() if compiled else contextlib.nullcontext():
+                torch.nn.functional.mse_loss(run(x), y).backward()
+            return [p.grad.clone() for p in net.parameters()]
+
+        for step in range(steps):
+            history.append(run(step))
+            if step == steps - 2:
+                saved = state.state_dict()
         counters = torch._dynamo.utils.counters
+        graphs = counters["stats"]["unique_graphs"]
+        # resumed in place: the last step again from the residuals saved before it
+        state.load_state_dict(saved)
+        resumed = run(steps - 1)
         out[compiled] = (
             history,
             dict(counters["graph_break"]),
             counters["compiled_autograd"]["captures"],
             len(state._errors),
+            graphs,
+            all(torch.equal(a, b) for a, b in zip(resumed, history[-1])),
+            counters["stats"]["unique_graphs"] - graphs,
         )
     return out
 
 
 @pytest.mark.slow
-def test_compiled_ddp_with_error_feedback_matches_eager():
+def test_compiled_ddp_with_error_feedback_matches_eager_and_resumes_bitwise():
     """compile_ddp with the hook: the backward compiled whole (compiled autograd, fullgraph; no
-    graph break), residuals kept per parameter through the ops, and over 3 steps the eager
-    python reducer's gradients up to fp32 rounding, the same on both ranks."""
+    graph break), residuals kept per parameter, and over 3 steps the eager python reducer's
+    gradients up to fp32 rounding, the same on both ranks. The first step creates the
+    residuals; the second compiles the backward once more, with them as inputs, and the third
+    reuses it: three graphs, the forward's among them. ``load_state_dict`` of the residuals
+    saved before the last step, then that step again: the same gradients, bit for bit, from the
+    same graphs (the load writes into the graphs' inputs)."""
     ranks = run_ranks(_compiled_worker, 2, 3, timeout=600)
     for out in ranks:
-        history, breaks, captures, residuals = out[True]
-        assert breaks == {} and captures == 1, (breaks, captures)  # no recompile
+        history, breaks, captures, residuals, graphs, resumed, recompiled = out[True]
+        assert breaks == {} and captures == 1 and graphs == 3, (breaks, captures, graphs)
+        assert resumed and recompiled == 0, (resumed, recompiled)
+        assert out[False][5]  # eager resumes bitwise too
         assert residuals == out[False][3] == 2 * len(history[0])
         for got, want in zip(history, out[False][0]):
             for g, w in zip(got, want):
@@ -444,9 +487,25 @@ def test_compiled_hook_kernels_index_linearly_and_load_no_int8(fake_pg):
         ch.int8_compress_hook(state, grad, param="w")
         return grad
 
-    _, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), torch.randn(1024, 512))
-    assert code.count("compiled_hooks.quantized_keep_error.default(") == 2
+    torch._dynamo.reset()
+    step = torch.compile(step, fullgraph=True)
+    step(torch.randn(1024, 512))  # creates the residuals: the next call takes them as inputs
+    _, (code,) = run_and_get_code(step, torch.randn(1024, 512))
     assert code.count("compiled_hooks.dequantize_packed.default(") == 2
+    # the residuals are updated by the kernels that quantize, with no copy after them: the
+    # gradient and the two residuals are the inputs written, and only the gradient by a copy
+    defined = output_code.kernels(code)
+    writers = output_code.cpp_input_writers(code)
+    assert len(writers) == 3, writers
+    quantizing = [
+        arg for arg, ks in writers.items() if all(output_code.quantizes(defined[k]) for k in ks)
+    ]
+    assert len(quantizing) == 2, writers
+    assert "aten.copy_" not in code
+    # nor is a residual computed into a buffer of its own and copied: every fp32 buffer is
+    # smaller than the smaller residual (the shard's, half the gradient)
+    residual = 1024 * 512 // 2
+    assert all(math.prod(s) < residual for s in output_code.allocations(code, "float32")), code
     for name, source in output_code.kernels(code).items():
         assert "div_floor_integer" not in source, name
         assert not re.search(r"\)\s*%\s*static_cast", source), name
@@ -459,10 +518,11 @@ def test_compiled_int8_step_issues_every_all_to_all_before_the_first_wait(fake_p
     the first is hooked (as in a backward), issues both all-to-alls before it waits for the
     first: ``sink_quantized_receives`` moved the first one's receive side below the second
     gradient's compute and quantize, so that compute runs while the first rows are on the
-    wire."""
+    wire. The four residuals are written by the kernels that quantize, with no copy after."""
     from torch._inductor.utils import run_and_get_code
 
     import passes
+    from tests import output_code
 
     state = ch.QuantizedState(dist.group.WORLD)
 
@@ -474,8 +534,17 @@ def test_compiled_int8_step_issues_every_all_to_all_before_the_first_wait(fake_p
 
     args = torch.randn(1024, 512), torch.randn(256, 1024), torch.randn(1024, 512)
     pipeline = passes.default_pipeline(quantized_bucket_cap_mb=0.5)  # a bucket each
+    torch._dynamo.reset()
     with passes.install(pipeline):
-        _, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), *args)
+        step = torch.compile(step, fullgraph=True)
+        step(*args)  # creates the residuals: the next call takes them as inputs
+        _, (code,) = run_and_get_code(step, *args)
+    defined, writers = output_code.kernels(code), output_code.cpp_input_writers(code)
+    quantizing = [
+        arg for arg, ks in writers.items() if all(output_code.quantizes(defined[k]) for k in ks)
+    ]
+    assert len(writers) == 5 and len(quantizing) == 4, writers  # g1 and the residuals
+    assert "aten.copy_" not in code
     issues = [
         m.start() for m in re.finditer(r"_c10d_functional\.all_to_all_single\.default\(", code)
     ]

@@ -25,9 +25,27 @@ def hook_graph(shapes=SHAPES, feedback=False, reduce_scatter=False):
     """:func:`backward` traced on the fake process group."""
     fake_process_group(2)
     state = ch.QuantizedState(dist.group.WORLD, block_size=8, error_feedback=feedback)
-    return trace(
-        backward(state, reduce_scatter), *[torch.randn(s) for s in shapes], world_size=None
-    )
+    return traced_backward(state, [torch.randn(s) for s in shapes], reduce_scatter)[0]
+
+
+def traced_backward(state, grads, reduce_scatter=False):
+    """:func:`backward` of ``grads`` traced as Dynamo traces it: the state's residuals (created
+    first) are graph inputs after the gradients, which the graph updates in place. Returns the
+    graph and those residuals."""
+    for i, g in enumerate(grads):
+        shape = g.reshape(-1).shape if reduce_scatter else g.shape
+        state.prepare(f"p{i}", shape, g.device, reduce_scatter=reduce_scatter)
+    slots, residuals = list(state._errors), list(state._errors.values())
+    fn = backward(state, reduce_scatter)
+
+    def traced(*args):
+        state._errors.update(zip(slots, args[len(grads) :]))
+        try:
+            return fn(*args[: len(grads)])
+        finally:
+            state._errors.update(zip(slots, residuals))
+
+    return trace(traced, *grads, *residuals, world_size=None), residuals
 
 
 def backward(state, reduce_scatter=False):

@@ -1,32 +1,22 @@
 """sink_quantized_receives on traced int8 hook calls (fake process group): every gradient's
 all-to-all goes out before the first one is waited, with the same values (simulated
-collectives); a write, a residual op on a slot the receive side touches, and data_parallel's
-collectives stop it or are left alone."""
-
-from unittest import mock
+collectives), the write-backs left last; a write and data_parallel's collectives stop it or
+are left alone."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import compiled_hooks as ch
-from compiled_hooks import ops
-from compiled_hooks.graph_contract import BLOCK, QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR
-from compiled_hooks.int8.state import SHARD
+from compiled_hooks.graph_contract import BLOCK
 from passes import bucket_quantized_collectives, sink_quantized_receives
 from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten
 from passes.testing import fake_process_group, graph_str, trace
 from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 from tests.passes import test_bucket_quantized_collectives
+from tests.passes.test_bucket_quantized_collectives import hook_graph
 from tests.ranks import run_ranks
-
-
-def hook_graph(*args, **kwargs):
-    """:func:`tests.passes.test_bucket_quantized_collectives.hook_graph`, traced as Dynamo
-    traces the hook: the residuals through their read and keep ops."""
-    with mock.patch("torch.compiler.is_compiling", return_value=True):
-        return test_bucket_quantized_collectives.hook_graph(*args, **kwargs)
 
 
 def positions(gm):
@@ -37,18 +27,18 @@ def waits_of(gm, target):
     return [next(iter(n.users)) for n in gm.graph.nodes if n.target is target]
 
 
-def slot_order(gm):
-    """Each residual slot's reads and keeps, in graph order."""
-    order: dict = {}
-    for n in gm.graph.nodes:
-        if n.target in (QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR):
-            order.setdefault(tuple(n.args[1:4]), []).append(n.name)
-    return order
+def writebacks(gm):
+    """The residuals' and gradients' write-backs (``copy_`` into a graph input), in order."""
+    return [
+        n.name
+        for n in gm.graph.nodes
+        if n.target is aten.copy_.default and n.args[0].op == "placeholder"
+    ]
 
 
 def order_str(gm):
-    """The graph's collectives, waits, residual ops and compute steps (``cos``), in order."""
-    shown = (ALL_TO_ALL, ALL_GATHER, WAIT, QUANTIZED_ERROR, QUANTIZED_KEEP_ERROR, aten.cos.default)
+    """The graph's collectives, waits, compute steps (``cos``) and write-backs, in order."""
+    shown = (ALL_TO_ALL, ALL_GATHER, WAIT, aten.cos.default, aten.copy_.default)
     return "\n".join(
         f"{n.name} = {n.target.__name__}({', '.join(a.name for a in n.all_input_nodes)})"
         for n in gm.graph.nodes
@@ -64,30 +54,29 @@ class TestSinkQuantizedReceives(PassTestCase):
             order_str(gm),
             """\
 cos = cos.default(add)
-quantized_error = quantized_error.default(view)
-quantized_keep_error = quantized_keep_error.default(where_1)
 all_to_all_single = all_to_all_single.default(cat_1)
 cos_1 = cos.default(add_9)
-quantized_error_2 = quantized_error.default(view_28)
-quantized_keep_error_2 = quantized_keep_error.default(where_7)
 all_to_all_single_1 = all_to_all_single.default(cat_5)
 wait_tensor = wait_tensor.default(all_to_all_single)
-quantized_error_1 = quantized_error.default(div_2)
-quantized_keep_error_1 = quantized_keep_error.default(where_4)
 all_gather_into_tensor = all_gather_into_tensor.default(cat_3)
 wait_tensor_1 = wait_tensor.default(all_gather_into_tensor)
 wait_tensor_2 = wait_tensor.default(all_to_all_single_1)
-quantized_error_3 = quantized_error.default(div_7)
-quantized_keep_error_3 = quantized_keep_error.default(where_10)
 all_gather_into_tensor_1 = all_gather_into_tensor.default(cat_7)
-wait_tensor_3 = wait_tensor.default(all_gather_into_tensor_1)""",
+wait_tensor_3 = wait_tensor.default(all_gather_into_tensor_1)
+copy_ = copy_.default(arg0_1, slice_copy_5)
+copy__1 = copy_.default(arg1_1, slice_copy_13)
+copy__2 = copy_.default(arg2_1, where_1)
+copy__3 = copy_.default(arg3_1, where_4)
+copy__4 = copy_.default(arg4_1, where_7)
+copy__5 = copy_.default(arg5_1, where_10)""",
         )
 
     def test_every_all_to_all_goes_out_before_the_first_wait_with_the_same_values(self):
         for feedback in (False, True):
             gm = hook_graph(feedback=feedback)
-            before, slots = copy_graph(gm.graph), slot_order(gm)
-            self.assertEqual(len(slots), 6 if feedback else 0)  # 3 gradients, 2 residuals each
+            before, written = copy_graph(gm.graph), writebacks(gm)
+            # 3 gradients, and 2 residuals each with feedback
+            self.assertEqual(len(written), 9 if feedback else 3)
             at = positions(gm)
             exchanges = [n for n in gm.graph.nodes if n.target is ALL_TO_ALL]
             self.assertLess(at[next(iter(exchanges[0].users))], at[exchanges[1]])
@@ -97,7 +86,8 @@ wait_tensor_3 = wait_tensor.default(all_gather_into_tensor_1)""",
             self.assertTrue(all(at[w] > last_issue for w in waits_of(gm, ALL_TO_ALL)))
             cos = [n for n in gm.graph.nodes if n.target is aten.cos.default]
             self.assertTrue(all(at[w] > at[cos[-1]] for w in waits_of(gm, ALL_TO_ALL)))
-            self.assertEqual(slot_order(gm), slots)
+            self.assertEqual(writebacks(gm), written)
+            self.assertEqual(list(gm.graph.nodes)[-len(written) - 1].name, written[0])
             self.assertTrue(check_rewrite("test", before, gm.graph))
 
     def test_after_bucketing_and_in_the_reduce_scatter_form(self):
@@ -110,36 +100,6 @@ wait_tensor_3 = wait_tensor.default(all_gather_into_tensor_1)""",
         before = copy_graph(gm.graph)
         self.assertRewrites(gm, sink_quantized_receives)
         self.assertTrue(check_rewrite("test", before, gm.graph))
-
-    def test_a_residual_op_on_a_slot_it_touches_stops_it(self):
-        """A later reader of the gradient's shard residual that does not depend on its
-        all-to-all must still read it after the keep: the receive side stops before it (and
-        without this stop would move past it, below the compute in between)."""
-        fake_process_group(2)
-        state = ch.QuantizedState(dist.group.WORLD, block_size=8)
-
-        def fn(a, b):
-            ch.int8_compress_hook(state, a, param="a")
-            return a, ops.quantized_error(b.cos(), state.state_id, "a", SHARD)
-
-        for keywords in (False, True):  # the slot in keyword arguments: any slot, to the pass
-            with mock.patch("torch.compiler.is_compiling", return_value=True):
-                gm = trace(fn, torch.randn(16), torch.randn(16), world_size=None)
-            (keep,) = [
-                n for n in gm.graph.nodes if n.target is QUANTIZED_KEEP_ERROR and n.args[3] == SHARD
-            ]
-            (peek,) = [
-                n
-                for n in gm.graph.nodes
-                if n.target is QUANTIZED_ERROR and n.args[0].target is aten.cos.default
-            ]
-            if keywords:
-                like, state_id, key, part = peek.args
-                peek.args, peek.kwargs = (like,), {"state_id": state_id, "key": "b", "part": part}
-            self.assertTrue(sink_quantized_receives(gm.graph))  # below the cos, not the read
-            at = positions(gm)
-            self.assertLess(at[peek.args[0]], at[keep])
-            self.assertLess(at[keep], at[peek])
 
     def test_a_write_stops_it(self):
         gm = hook_graph(shapes=((16,), (8,)))
@@ -192,8 +152,7 @@ def numerics_worker(rank, world_size):
     state = ch.QuantizedState(dist.group.WORLD, block_size=8)
     g = torch.Generator().manual_seed(rank)
     args = [torch.randn(s, generator=g) for s in test_bucket_quantized_collectives.SHAPES]
-    with mock.patch("torch.compiler.is_compiling", return_value=True):
-        gm = trace(test_bucket_quantized_collectives.backward(state), *args, world_size=None)
+    gm, residuals = test_bucket_quantized_collectives.traced_backward(state, args)
     start = state.state_dict()
     results = []
     for rewrite in (False, True):
@@ -202,8 +161,8 @@ def numerics_worker(rank, world_size):
             gm.recompile()
         state.load_state_dict(start)
         grads = [a.clone() for a in args]
-        gm(*grads)
-        gm(*grads)  # a second step reads the residuals the first kept
+        gm(*grads, *residuals)
+        gm(*grads, *residuals)  # a second step reads the residuals the first kept
         results.append((grads, state.state_dict()["errors"]))
     return changed, results
 
