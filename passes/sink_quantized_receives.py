@@ -7,7 +7,10 @@ then at once its wait, the dequantize and sum, the shard's re-quantization and t
 The wait blocks the backward on the wire, and ``schedule_collectives`` cannot sink it: its first
 use, the dequantize, follows it at once. This pass moves each int8 collective's wait and
 everything that depends on it down, in graph order, to just before the first node that must stay
-after them, so the rest of the backward runs while the rows are on the wire::
+after them, so the rest of the backward runs while the rows are on the wire. It walks twice:
+first the all-to-alls' receive sides, each with its all-gather; then each all-gather's receive
+(its wait and the dequantize of the gathered rows), below the later receive sides, so that one
+bucket's all-gather is on the wire while the next bucket's rows are summed and re-quantized::
 
     before                                     after
     g1 = mm(...)                               g1 = mm(...)
@@ -15,12 +18,14 @@ after them, so the rest of the backward runs while the rows are on the wire::
     w1 = wait_tensor(a1)                       g2 = mm(...)                 # a1 on the wire
     s1 = quantize(sum(dequantize(w1)))         a2 = all_to_all(pack(quantize(g2)))
     b1 = all_gather(pack(s1))                  w1 = wait_tensor(a1)
-    g2 = mm(...)                               s1 = quantize(sum(dequantize(w1)))
-    a2 = all_to_all(pack(quantize(g2)))        b1 = all_gather(pack(s1))    # a2 on the wire
-    w2 = wait_tensor(a2)                       w2 = wait_tensor(a2)
-    ...                                        ...
-    copy_(error, ...)                          copy_(error, ...)
-    return ...                                 return ...
+    v1 = dequantize(wait_tensor(b1))           s1 = quantize(sum(dequantize(w1)))
+    g2 = mm(...)                               b1 = all_gather(pack(s1))    # a2 on the wire
+    a2 = all_to_all(pack(quantize(g2)))        w2 = wait_tensor(a2)
+    w2 = wait_tensor(a2)                       s2 = quantize(sum(dequantize(w2)))  # b1 too
+    s2 = quantize(sum(dequantize(w2)))         b2 = all_gather(pack(s2))
+    ...                                        v1 = dequantize(wait_tensor(b1))
+    copy_(grad1, v1)                           ...
+    return ...                                 copy_(grad1, v1)
 
 What moves: the waits of int8 collectives (``graph_contract.INT8``, outside a
 ``data_parallel`` block, whose own passes place its collectives) and the nodes that depend on
@@ -28,8 +33,8 @@ them, while each is pure, or a functional collective or its wait (the residuals 
 updates are graph inputs, written back at the graph's end: ``graph_contract``). What they move
 past: pure nodes, and our own parallelism's collectives and waits. Anything else stops them: a
 write (such as a residual's write-back), another side effect, another parallelism's collective,
-or a dependent that cannot move. Values are the same; every
-node keeps its inputs, and nodes that move keep their order. Collective order changes, the same
+or a dependent that cannot move. Values are the same; every node keeps its inputs, and nodes
+that move keep their order. Collective order changes, the same
 on every rank (it is a function of the graph). Idempotent: a second run finds every receive
 side already at its stop.
 """
@@ -58,11 +63,11 @@ __all__ = ["sink_quantized_receives"]
 PASS = "sink_quantized_receives"
 
 
-def _starts(graph: Graph) -> set[Node]:
-    """The waits of the int8 collectives outside any data_parallel block."""
+def _starts(graph: Graph, kind: object) -> set[Node]:
+    """The waits of the int8 collectives of ``kind`` outside any data_parallel block."""
     return {
         next(iter(n.users))
-        for n in calls(graph, (ALL_TO_ALL, ALL_GATHER))
+        for n in calls(graph, (kind,))
         if is_quantized(n)
         and block_of(n) is None
         and len(n.users) == 1
@@ -89,9 +94,16 @@ def _may_pass(node: Node) -> bool:
 @graph_pass(after=("bucket_quantized_collectives",))
 def sink_quantized_receives(graph: Graph) -> bool:
     """Move the receive side of every int8 collective down to its first stop (see the module
-    docstring). One walk over the graph. Returns True when the graph changed."""
+    docstring): the all-to-alls' first, their all-gathers with them, then the all-gathers'
+    below the later receive sides. Two walks over the graph. Returns True when the graph
+    changed."""
     check_graph(PASS, graph)
-    starts = _starts(graph)
+    changed = _sink(graph, _starts(graph, ALL_TO_ALL))
+    return _sink(graph, _starts(graph, ALL_GATHER)) or changed
+
+
+def _sink(graph: Graph, starts: set[Node]) -> bool:
+    """Move ``starts`` and what depends on them down to their first stop, in one walk."""
     if not starts:
         return False
     held: dict[Node, None] = {}  # the nodes on their way down, in graph order

@@ -59,9 +59,9 @@ cos_1 = cos.default(add_9)
 all_to_all_single_1 = all_to_all_single.default(cat_5)
 wait_tensor = wait_tensor.default(all_to_all_single)
 all_gather_into_tensor = all_gather_into_tensor.default(cat_3)
-wait_tensor_1 = wait_tensor.default(all_gather_into_tensor)
 wait_tensor_2 = wait_tensor.default(all_to_all_single_1)
 all_gather_into_tensor_1 = all_gather_into_tensor.default(cat_7)
+wait_tensor_1 = wait_tensor.default(all_gather_into_tensor)
 wait_tensor_3 = wait_tensor.default(all_gather_into_tensor_1)
 copy_ = copy_.default(arg0_1, slice_copy_5)
 copy__1 = copy_.default(arg1_1, slice_copy_13)
@@ -71,7 +71,10 @@ copy__4 = copy_.default(arg4_1, where_7)
 copy__5 = copy_.default(arg5_1, where_10)""",
         )
 
-    def test_every_all_to_all_goes_out_before_the_first_wait_with_the_same_values(self):
+    def test_every_collective_goes_out_before_the_first_wait_of_its_kind_same_values(self):
+        """Every all-to-all is issued before the first all-to-all's wait, and every all-gather
+        before the first all-gather's wait (the next receive side runs while an all-gather is
+        on the wire); the write-backs stay last."""
         for feedback in (False, True):
             gm = hook_graph(feedback=feedback)
             before, written = copy_graph(gm.graph), writebacks(gm)
@@ -86,6 +89,8 @@ copy__5 = copy_.default(arg5_1, where_10)""",
             self.assertTrue(all(at[w] > last_issue for w in waits_of(gm, ALL_TO_ALL)))
             cos = [n for n in gm.graph.nodes if n.target is aten.cos.default]
             self.assertTrue(all(at[w] > at[cos[-1]] for w in waits_of(gm, ALL_TO_ALL)))
+            last_gather = max(at[n] for n in gm.graph.nodes if n.target is ALL_GATHER)
+            self.assertTrue(all(at[w] > last_gather for w in waits_of(gm, ALL_GATHER)))
             self.assertEqual(writebacks(gm), written)
             self.assertEqual(list(gm.graph.nodes)[-len(written) - 1].name, written[0])
             self.assertTrue(check_rewrite("test", before, gm.graph))
