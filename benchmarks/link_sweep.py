@@ -134,7 +134,7 @@ def report(rows: list[dict], model: str) -> None:
         not_yet = [f"{r['gbit_s']:g} Gbit/s" for r in points if r["int8_over_bf16"] >= 1]
         print(
             f"\n{benchmark}: int8 pays at {', '.join(pays) or 'no rate measured'}; "
-            f"not at {', '.join(not_yet) or 'any rate measured'}."
+            + (f"not at {', '.join(not_yet)}." if not_yet else "that is, at every rate measured.")
         )
     errors = [
         abs(r["projected_diff_ms"] - r["measured_diff_ms"])

@@ -518,7 +518,8 @@ def test_compiled_int8_step_issues_every_all_to_all_before_the_first_wait(fake_p
     the first is hooked (as in a backward), issues both all-to-alls before it waits for the
     first: ``sink_quantized_receives`` moved the first one's receive side below the second
     gradient's compute and quantize, so that compute runs while the first rows are on the
-    wire. The four residuals are written by the kernels that quantize, with no copy after."""
+    wire; likewise it issues both all-gathers before it waits for the first. The four
+    residuals are written by the kernels that quantize, with no copy after."""
     from torch._inductor.utils import run_and_get_code
 
     import passes
@@ -533,7 +534,8 @@ def test_compiled_int8_step_issues_every_all_to_all_before_the_first_wait(fake_p
         return g1, g2
 
     args = torch.randn(1024, 512), torch.randn(256, 1024), torch.randn(1024, 512)
-    pipeline = passes.default_pipeline(quantized_bucket_cap_mb=0.5)  # a bucket each
+    # a bucket each: the all-to-alls' rows take 532 and 133 KB, the shards' 67 and 17 KB
+    pipeline = passes.default_pipeline(quantized_bucket_cap_mb=0.05)
     torch._dynamo.reset()
     with passes.install(pipeline):
         step = torch.compile(step, fullgraph=True)
@@ -552,3 +554,9 @@ def test_compiled_int8_step_issues_every_all_to_all_before_the_first_wait(fake_p
     mm = code.index("extern_kernels.mm(")
     assert len(issues) == 2, code
     assert issues[0] < mm < issues[1] < min(waits), code
+    # and both all-gathers before the first one's wait: the second bucket's receive side runs
+    # while the first all-gather is on the wire
+    gathered = re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into", code)
+    gathers = [code.index(f"{b} = torch.ops._c10d_functional.all_gather") for b in gathered]
+    gather_waits = [code.index(f"wait_tensor.default({b})") for b in gathered]
+    assert len(gathers) == 2 and max(gathers) < min(gather_waits), code
