@@ -21,9 +21,9 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
   compiles: in a graph with no mark, the int8 input alone. The error-feedback residuals are
   graph inputs that the graph updates in place: functionalization reads the input and writes
   the new value back with a ``copy_`` into it at the graph's end, so the receive side of an
-  int8 collective holds no side effect. A packed
-  collective's result (int8 blocks behind their 4-byte scales) is read only by
-  :data:`DEQUANTIZE_PACKED`, which takes any strides, so the passes may bucket it.
+  int8 collective holds no side effect. A packed collective's result (int8 blocks behind their
+  4-byte scales) is read only by :data:`DEQUANTIZE_PACKED`, which takes any strides, so the
+  passes may bucket it.
 - **PowerSGD** counts each hook call with :data:`POWERSGD_COUNT` (a side effect), whose use
   marks the all-reduces of its factors.
 - **ZeRO's sharded update** reads this rank's index in a group with :data:`GROUP_RANK`.
