@@ -110,6 +110,8 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
 def _prepare_residuals(module: nn.Module, r: Reduction) -> None:
     """Create the int8 hook's error-feedback residuals now, for every parameter: its backward,
     traced under ``torch.compile`` inside an ``autograd.Function``, cannot create them."""
+    if not isinstance(r.state, QuantizedState) and not isinstance(r.replica_state, QuantizedState):
+        return
     for m in module.modules():
         layouts = getattr(m, "_data_parallel_layouts", {})
         for n, param in m.named_parameters(recurse=False):

@@ -42,6 +42,7 @@ __all__ = [
     "dequantize",
     "to_blocks",
     "from_blocks",
+    "row_length",
     "to_rows",
     "to_row_blocks",
     "from_row_blocks",
@@ -94,10 +95,15 @@ def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return F.pad(x.float(), (0, -n % block_size)).view(rows, -1, block_size)
 
 
+def row_length(numel: int, rows: int) -> int:
+    """The length of each of :func:`to_rows`' ``rows`` rows for ``numel`` values."""
+    return -(-numel // rows)
+
+
 def to_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """``x`` flat, zero-padded to ``rows`` equal rows: ``[rows, ceil(numel / rows)]``, row ``r``
     the part that travels to rank ``r``."""
-    n = -(-x.numel() // rows)
+    n = row_length(x.numel(), rows)
     return F.pad(x.reshape(-1), (0, n * rows - x.numel())).view(rows, n)
 
 
@@ -109,7 +115,7 @@ def to_row_blocks(x: torch.Tensor, rows: int, block_size: int) -> torch.Tensor:
 
 def from_row_blocks(blocks: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """:func:`to_row_blocks` back, for values of ``shape``."""
-    return from_blocks(blocks, -(-math.prod(shape) // blocks.shape[0]), shape)
+    return from_blocks(blocks, row_length(math.prod(shape), blocks.shape[0]), shape)
 
 
 def from_blocks(blocks: torch.Tensor, n: int, shape: Sequence[int]) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..in_order import InOrder
 from ..state import DefaultState
-from .codec import BLOCK_SIZE, check_block_size, from_row_blocks, to_row_blocks
+from .codec import BLOCK_SIZE, check_block_size, from_row_blocks, row_length, to_row_blocks
 
 __all__ = ["QuantizedState", "WORKER", "SHARD"]
 
@@ -158,7 +158,7 @@ class QuantizedState(DefaultState):
             return
         self.residual(key, WORKER, shape, device, "QuantizedState.prepare")
         if not reduce_scatter:
-            shard = torch.Size([-(-shape.numel() // self.world_size)])
+            shard = torch.Size([row_length(shape.numel(), self.world_size)])
             self.residual(key, SHARD, shard, device, "QuantizedState.prepare")
 
     def _blocks(self, part: int, values: torch.Tensor) -> torch.Tensor:
@@ -209,8 +209,7 @@ class QuantizedState(DefaultState):
             if loaded[slot].numel() != self._shapes[slot].numel():
                 raise ValueError(
                     f"QuantizedState.load_state_dict: the residual of {slot[0]!r} (part "
-                    f"{slot[1]}) holds "
-                    f"{loaded[slot].numel()} values in the checkpoint, "
+                    f"{slot[1]}) holds {loaded[slot].numel()} values in the checkpoint, "
                     f"{self._shapes[slot].numel()} in this state"
                 )
         for slot, kept in self._errors.items():
