@@ -135,14 +135,15 @@ class QuantizedState(DefaultState):
             kept = None
         if kept is None:
             values = self._loaded.pop(slot, None)
-            if values is None:
-                values = torch.zeros(shape.numel(), device=device)
-            elif values.numel() != shape.numel():
+            if values is not None and values.numel() != shape.numel():
                 raise ValueError(
                     f"{hook}: the checkpoint's residual for {key!r} holds {values.numel()} "
                     f"values, its gradient {shape.numel()}"
                 )
-            kept = self._blocks(part, values.to(device)).contiguous()
+            if values is None:
+                kept = self._zeros(part, shape, device)
+            else:
+                kept = self._blocks(part, values.to(device)).contiguous()
             self._errors[slot], self._shapes[slot] = kept, shape
         elif kept.device != device:
             kept = self._errors[slot] = kept.to(device)
@@ -161,10 +162,20 @@ class QuantizedState(DefaultState):
             shard = torch.Size([row_length(shape.numel(), self.world_size)])
             self.residual(key, SHARD, shard, device, "QuantizedState.prepare")
 
+    def _rows(self, part: int) -> int:
+        return self.world_size if part == WORKER else 1
+
     def _blocks(self, part: int, values: torch.Tensor) -> torch.Tensor:
         """``values`` in the hook's layout for ``part``."""
-        rows = self.world_size if part == WORKER else 1
-        return to_row_blocks(values.float(), rows, self.block_size)
+        return to_row_blocks(values.float(), self._rows(part), self.block_size)
+
+    def _zeros(self, part: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Zeros for gradients of ``shape`` in the hook's layout for ``part``, made in it rather
+        than padded into it: traced, a pad of a constant is a masked load of a constant, which
+        Inductor 2.11's C++ backend fails to compile."""
+        rows = self._rows(part)
+        blocks = -(-row_length(shape.numel(), rows) // self.block_size)
+        return torch.zeros(rows, blocks, self.block_size, device=device)
 
     # -- checkpoints ---------------------------------------------------------------------
 

@@ -151,6 +151,40 @@ def test_checkpoints_hold_values_and_load_in_place(fake_pg):
         state.residual("v", WORKER, torch.Size([4]), torch.device("cpu"), "test")
 
 
+def test_residuals_created_while_traced_are_no_pad_of_a_constant(fake_pg):
+    """Traced on a state that has not met the parameter, the hook creates its residuals in the
+    graph: zeros made in the blocks' layout, so every pad in the graph pads a graph input.
+    Inductor 2.11's C++ backend cannot compile a pad of a constant (a masked load of one), and
+    a gradient that does not fill whole blocks is padded."""
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    state = ch.QuantizedState(dist.group.WORLD, block_size=16)  # 8 ranks: rows of 6, padded
+
+    def step(grad):
+        ch.int8_compress_hook(state, grad, param="w")
+        return grad
+
+    torch.compile(step, backend=capture, fullgraph=True)(torch.randn(6, 8))
+    (gm,) = graphs
+    pads = [n for n in gm.graph.nodes if getattr(n.target, "__name__", None) == "pad"]
+    assert pads, gm.code
+
+    def inputs_of(node):
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            seen.add(n)
+            todo.extend(a for a in n.all_input_nodes if a not in seen)
+        return {n for n in seen if n.op == "placeholder"}
+
+    assert all(inputs_of(pad) for pad in pads), gm.code
+    assert len(state._errors) == 2
+
+
 def _nonfinite_worker(rank, world_size):
     state = ch.QuantizedState(dist.group.WORLD, block_size=BLOCK)
     steps = []
