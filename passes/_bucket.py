@@ -127,19 +127,19 @@ def merge_chains(
         if "custom" in bucket[0].collective.meta:
             coll.meta["custom"] = dict(bucket[0].collective.meta["custom"])
 
+    # the pieces and the members' post-collective ops, in bucket order, right before first_use
     with graph.inserting_before(first_use):
         wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
         sizes = [val(c.collective).numel() for c in bucket]
         pieces = split_node(graph, wait, sizes, "bucket_pieces")
-    for i, c in enumerate(bucket):
-        out = val(c.collective)
-        with graph.inserting_before(first_use):
+        for i, c in enumerate(bucket):
+            out = val(c.collective)
             piece = piece_of(graph, pieces, i, list(out.shape) if out.dim() != 1 else None)
-        c.wait.replace_all_uses_with(piece)
-        for n in c.post:
-            first_use.prepend(n)
-            moved.add(n)
-        graph.erase_node(c.wait)
-        graph.erase_node(c.collective)
+            c.wait.replace_all_uses_with(piece)
+            for n in c.post:
+                first_use.prepend(n)
+                moved.add(n)
+            graph.erase_node(c.wait)
+            graph.erase_node(c.collective)
     record(pass_name, f"bucketed {len(bucket)} collectives into one", coll)
     return coll

@@ -45,14 +45,14 @@ PASS = "hoist_input_writebacks"
 COPY = aten.copy_.default
 
 
-def _read_after(target: Node, writeback: Node, position: dict[Node, int], start: int) -> bool:
-    """Whether a reader of ``target`` or of a view of it, other than ``writeback``, comes at or
-    after ``start``, or is a call whose aliasing is unknown (then True: the write-back stays)."""
+def _read_after(target: Node, writeback: Node, value: Node) -> bool:
+    """Whether a reader of ``target`` or of a view of it, other than ``writeback``, comes after
+    ``value``, or is a call whose aliasing is unknown (then True: the write-back stays)."""
     return any(
         user is not writeback
         and (
             user.op != "call_function"
-            or position[user] >= start
+            or user > value  # FX orders a graph's nodes by their place in it
             or not (
                 user.target is operator.getitem or isinstance(user.target, torch._ops.OpOverload)
             )
@@ -77,7 +77,6 @@ def hoist_input_writebacks(graph: Graph) -> bool:
     nothing later reads the input (see the module docstring). Returns True when the graph
     changed."""
     check_graph(PASS, graph)
-    position = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
     for node in graph.find_nodes(op="call_function", target=COPY):
         target, value = node.args[0], node.args[1]
@@ -85,7 +84,7 @@ def hoist_input_writebacks(graph: Graph) -> bool:
             continue
         if not isinstance(value, Node) or value.op != "call_function" or value.next is node:
             continue
-        if _read_after(target, node, position, position[value] + 1):
+        if _read_after(target, node, value):
             record(PASS, "skipped: the input is read after its new value", node)
             continue
         value.append(node)
