@@ -134,16 +134,16 @@ class QuantizedState(DefaultState):
                 )
             kept = None
         if kept is None:
-            values = self._loaded.pop(slot, None)
-            if values is not None and values.numel() != shape.numel():
+            values = self._loaded.get(slot)
+            if values is None:
+                kept = self._zeros(part, shape, device)
+            elif values.numel() != shape.numel():  # refused, the checkpoint's values kept
                 raise ValueError(
                     f"{hook}: the checkpoint's residual for {key!r} holds {values.numel()} "
                     f"values, its gradient {shape.numel()}"
                 )
-            if values is None:
-                kept = self._zeros(part, shape, device)
             else:
-                kept = self._blocks(part, values.to(device)).contiguous()
+                kept = self._blocks(part, self._loaded.pop(slot).to(device)).contiguous()
             self._errors[slot], self._shapes[slot] = kept, shape
         elif kept.device != device:
             kept = self._errors[slot] = kept.to(device)

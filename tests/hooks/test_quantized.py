@@ -129,7 +129,8 @@ def test_checkpoints_hold_values_and_load_in_place(fake_pg):
     """The state holds a residual in the hook's layout (the rows bound for each rank, in
     blocks) and a checkpoint holds its values, in the gradient's shape. Loading writes into the
     residuals that exist; one of another size is refused, before anything changes; one the
-    state has not met yet is kept, and saved again."""
+    state has not met yet is kept, and saved again, also after a gradient of another size
+    refused it."""
     from compiled_hooks.int8.state import WORKER
 
     state = ch.QuantizedState(dist.group.WORLD, block_size=4)  # 8 ranks
@@ -149,6 +150,7 @@ def test_checkpoints_hold_values_and_load_in_place(fake_pg):
     assert torch.equal(state.state_dict()["errors"]["w"][0], saved["errors"]["w"][0])
     with pytest.raises(ValueError, match="residual for 'v' holds 3 values, its gradient 4"):
         state.residual("v", WORKER, torch.Size([4]), torch.device("cpu"), "test")
+    assert torch.equal(state.state_dict()["errors"]["v"][0], torch.ones(3))  # still kept
 
 
 def test_residuals_created_while_traced_are_no_pad_of_a_constant(fake_pg):
