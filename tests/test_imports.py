@@ -1,8 +1,8 @@
 """The packages' import structure: ``passes`` -> ``compiled_hooks`` -> torch, no pass module
 imports another pass or ``passes.testing``, and no import cycle, function-level imports
 included; no module reads another's private names, the int8 format is defined in
-``compiled_hooks.int8`` only, and no benchmark imports the tests. Read from the sources, not
-from a run."""
+``compiled_hooks.int8`` only, no benchmark imports the tests, and the library's modules and
+their docstrings stay short. Read from the sources, not from a run."""
 
 import ast
 import pathlib
@@ -325,3 +325,22 @@ def test_no_benchmark_imports_the_tests_or_a_private_name():
             found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "tests"]
             found += [f"{path.name}: {n}" for n in private]
     assert found == []
+
+
+MAX_LINES, MAX_DOCSTRING_LINES = 400, 45
+
+
+def test_library_modules_and_their_docstrings_stay_short():
+    """No library source file over 400 lines, no module docstring over 45: a module that grows
+    past them is doing more than one job, and a docstring states the contract, not the
+    history (that goes to docs/ and the CHANGELOG)."""
+    long = {}
+    for name, path in _modules().items():
+        source = path.read_text()
+        doc = ast.get_docstring(ast.parse(source), clean=False) or ""
+        lines, doc_lines = len(source.splitlines()), len(doc.splitlines())
+        if lines > MAX_LINES or doc_lines > MAX_DOCSTRING_LINES:
+            long[name] = (lines, doc_lines)
+    assert not long, (
+        f"(source lines, docstring lines) over ({MAX_LINES}, {MAX_DOCSTRING_LINES}): {long}"
+    )
