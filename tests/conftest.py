@@ -34,6 +34,23 @@ def _reset_dynamo_and_fake_group():
         dist.destroy_process_group()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--stress",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run every selected test K times, as K parametrized copies (tools/stress.py)",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    rounds = metafunc.config.getoption("stress")
+    if rounds > 1:
+        metafunc.fixturenames.append("stress_round")
+        metafunc.parametrize("stress_round", range(rounds), ids=lambda i: f"round{i}")
+
+
 def pytest_configure(config):
     # pytest-xdist (where installed) hands a worker one test at a time instead of a quarter of
     # its share up front, so the order below decides which worker runs what

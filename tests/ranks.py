@@ -3,16 +3,23 @@
 A rank that raises, dies (e.g. an abort inside gloo) or hangs past ``timeout`` fails the
 caller with a message naming the rank, so a distributed test can never hang the suite.
 :func:`rank_outcomes` reports those instead of raising, for tests about failures themselves.
+
+Every rank's Python stacks (all threads) reach that message when it hangs or dies by a
+signal: before a hung rank is killed it gets ``SIGUSR1``, on which ``faulthandler`` writes
+its stacks to a file of the run's, and a fatal signal writes them there too. So a hang in CI
+names the function and the collective each rank sat in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
 import io
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -35,6 +42,27 @@ class Outcome:
     result: Any = None  # what fn returned, or the error text
     seconds: float | None = None  # from start to report
     exitcode: int | None = None  # None while the process still ran when it was killed
+    stacks: str = ""  # the rank's Python stacks, where it hung or died by a signal
+
+    def describe(self, rank: int) -> str:
+        """The outcome as a report's paragraph: the status, an error's text, the stacks."""
+        head = f"--- rank {rank}: {self.status}"
+        if self.status == "died":
+            head += f" (exit code {self.exitcode})"
+        if self.status == "hung":
+            head += f" after {self.seconds:.0f}s"
+        body = self.result if self.status == "error" else ""
+        if self.stacks:
+            body += f"Python stacks, all threads:\n{self.stacks}"
+        elif self.status in ("hung", "died"):
+            body += "(no stacks: the process wrote none)\n"
+        return f"{head} ---\n{body}"
+
+
+# Seconds a hung rank gets to write its stacks after SIGUSR1.
+STACKS_WAIT_S = 3.0
+
+_stacks_file = None  # the rank's open stacks file: faulthandler writes to its descriptor
 
 
 def _entry(
@@ -48,7 +76,10 @@ def _entry(
     teardown: bool,
     pg_timeout_s: float | None,
 ) -> None:
-    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints its Python stacks
+    global _stacks_file
+    _stacks_file = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115  # the process's
+    faulthandler.enable(_stacks_file, all_threads=True)  # a fatal signal: the stacks, then death
+    faulthandler.register(signal.SIGUSR1, _stacks_file, all_threads=True)  # a hang: the stacks
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     reported = False
@@ -69,6 +100,45 @@ def _entry(
             q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def _stacks_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.stacks.{rank}"
+
+
+def _collect_stacks(procs: list, outcomes: dict[int, Outcome], store_path: str) -> None:
+    """Signal every hung rank still running to write its stacks, then read every hung or dead
+    rank's stacks file into its outcome."""
+    signalled = [p for r, p in enumerate(procs) if outcomes[r].status == "hung" and p.is_alive()]
+    for p in signalled:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + STACKS_WAIT_S
+    for r, p in enumerate(procs):
+        if p not in signalled:
+            continue
+        path = _stacks_path(store_path, r)
+        size = -1
+        while time.monotonic() < deadline:  # written once the file stops growing
+            time.sleep(0.2)
+            now = os.path.getsize(path) if os.path.exists(path) else 0
+            if now and now == size:
+                break
+            size = now
+    for r, o in outcomes.items():
+        path = _stacks_path(store_path, r)
+        if o.status in ("hung", "died") and os.path.exists(path):
+            with open(path, errors="replace") as f:
+                o.stacks = f.read()
+
+
+def _threads() -> int:
+    """The threads this process runs (Linux; 0 elsewhere)."""
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+
+# The threads the importing process ran once this module was imported: in a rank, the forkserver's
+# after its preload (this module is its last), so the threads each rank was forked beside.
+SERVER_THREADS = _threads()
+
 # What the rank processes' server imports once: every rank forks from it with these loaded.
 _PRELOAD = [
     "torch",
@@ -88,6 +158,10 @@ def context() -> Any:
     # The CUDA runtime's availability check marks every process forked afterwards as unable to
     # use CUDA; NVML's does not. The forkserver and its ranks inherit this environment.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # A process that forks while other threads run can leave the child a lock that nobody will
+    # release. Importing torch imports numpy, whose OpenBLAS starts a thread per core unless
+    # told otherwise; with this the server runs one thread (SERVER_THREADS).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -141,9 +215,11 @@ def rank_outcomes(
                     else payload
                 )
                 outcomes[rank] = Outcome(status, result, time.monotonic() - start)
+            _collect_stacks(procs, outcomes, store_path)
         finally:
             for r, p in enumerate(procs):
-                p.join(timeout=10)
+                if r not in outcomes or outcomes[r].status != "hung":  # a hung one: killed now
+                    p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
                     p.join()
@@ -161,20 +237,20 @@ def run_ranks(
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process."""
     outcomes = rank_outcomes(fn, world_size, *args, timeout=timeout, backend=backend)
-    died = [
-        f"rank {r} exit code {o.exitcode}" for r, o in enumerate(outcomes) if o.status == "died"
-    ]
-    if died:
-        raise RankError(f"{fn.__name__}: rank(s) died without reporting ({', '.join(died)})")
-    hung = [r for r, o in enumerate(outcomes) if o.status == "hung"]
-    if hung:
-        raise RankError(
-            f"{fn.__name__}: {len(hung)} rank(s) gave no answer within {timeout}s (hang)"
-        )
-    errors = {r: o.result for r, o in enumerate(outcomes) if o.status == "error"}
-    if errors:
-        raise RankError(
-            f"{fn.__name__} failed:\n"
-            + "\n".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
-        )
-    return [o.result for o in outcomes]
+    failed = {s for o in outcomes for s in [o.status] if s != "ok"}
+    if not failed:
+        return [o.result for o in outcomes]
+    what = {
+        "died": "died without reporting",
+        "hung": f"gave no answer within {timeout}s (hang)",
+        "error": "raised",
+    }
+    summary = "; ".join(
+        f"rank(s) {', '.join(str(r) for r, o in enumerate(outcomes) if o.status == s)} {what[s]}"
+        for s in ("died", "hung", "error")
+        if s in failed
+    )
+    raise RankError(
+        f"{fn.__name__}: {summary}\n"
+        + "".join(o.describe(r) for r, o in enumerate(outcomes) if o.status != "ok")
+    )

@@ -11,10 +11,11 @@ import contextlib
 import io
 import pathlib
 import runpy
-import subprocess
 import sys
 
 import pytest
+
+from tests.processes import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -66,13 +67,10 @@ def test_help(script, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if SMOKE.get(s) is not None])
 def test_smallest_configuration_runs(script):
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(BENCHMARKS / f"{script}.py"), *SMOKE[script]],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
         timeout=900,
+        merge_stderr=True,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     if "--smoke" in SMOKE[script]:  # a step benchmark's report: its table

@@ -4,13 +4,13 @@ its quick start is the script it names, and every docs/ page is linked from it."
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 
 import compiled_hooks
 import passes
+from tests.processes import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -95,12 +95,9 @@ def test_no_dates_or_timing_tables_in_the_code():
 
 @pytest.mark.slow
 def test_quick_start_runs_as_written():
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(ROOT / "examples" / "quickstart.py")],
-        capture_output=True,
-        text=True,
         timeout=300,
-        cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

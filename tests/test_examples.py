@@ -3,10 +3,11 @@ guard on (``PASSES_CHECK_RANKS=1``: no false positive, and it did check the comp
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from tests.processes import run_script
 
 pytestmark = pytest.mark.slow  # each runs an example: several ranks compiling for 20-40 s
 
@@ -28,12 +29,9 @@ def test_train_ddp_example_with_verified_passes():
         "PASSES_VERIFY": "1",
         **GUARD,
     }
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--steps", "6"],
-        capture_output=True,
-        text=True,
         timeout=300,
-        cwd=ROOT,
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -50,12 +48,9 @@ def test_train_ddp_example_with_verified_passes():
 
 
 def test_train_fsdp2_example():
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(ROOT / "examples" / "train_fsdp2.py"), "--steps", "4"],
-        capture_output=True,
-        text=True,
         timeout=300,
-        cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **GUARD},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -66,12 +61,9 @@ def test_train_fsdp2_example():
 
 
 def test_train_fsdp_example():
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(ROOT / "examples" / "train_fsdp.py"), "--steps", "4"],
-        capture_output=True,
-        text=True,
         timeout=300,
-        cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **GUARD},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -83,7 +75,7 @@ def test_train_fsdp_example():
 
 def test_train_zero_example_sharded_with_verified_passes():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PASSES_VERIFY": "1", **GUARD}
-    proc = subprocess.run(
+    proc = run_script(
         [
             sys.executable,
             str(ROOT / "examples" / "train_zero.py"),
@@ -91,10 +83,7 @@ def test_train_zero_example_sharded_with_verified_passes():
             "4",
             "--shard-buckets",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
-        cwd=ROOT,
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,9 +7,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import compiled_hooks as ch
 import passes
+from compiled_hooks.fsdp import data_parallel
+from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step_interleaved
+from tests.fsdp.test_data_parallel import Net
 from tests.hooks.test_ddp import _batch
 from tests.hooks.test_ddp import _net as _mlp
 from tests.ranks import rank_outcomes, run_ranks
@@ -25,10 +29,14 @@ def _train_step(model, opt, net, rank, step):
     opt.step()
 
 
-def dying_worker(rank, world_size, compiled):
-    """Two healthy steps, then rank 1 exits (code 3) and rank 0 runs a third step: rank 0
-    returns what it raised and how long that took."""
-    if compiled:
+def _dying_step(kind, rank):
+    """``(step, where)``: one training step of ``kind`` as a function of the step index, and
+    ``where``, the phases at which rank 1 can exit mid-step in it ("before": between steps;
+    "forward", "backward": from a hook inside that phase, eager only)."""
+    if kind == "eager_hook":
+        state = ch.DefaultState(dist.group.WORLD)
+        return (lambda i: ch.allreduce_hook(state, torch.ones(1024))), {"before"}
+    if kind == "compiled_ddp":
         net = _mlp()
         _, model = ch.compile_ddp(
             net, ch.LowPrecisionState(dist.group.WORLD), ch.bf16_compress_hook
@@ -37,19 +45,64 @@ def dying_worker(rank, world_size, compiled):
         for p in net.parameters():
             p.grad = torch.zeros_like(p)
 
-        def step(i):
+        def ddp_step(i):
             with passes.install():
                 _train_step(model, opt, net, rank, i)
-    else:
-        state = ch.DefaultState(dist.group.WORLD)
 
-        def step(i):
-            ch.allreduce_hook(state, torch.ones(1024))
+        return ddp_step, {"before"}
+    if kind == "zero":
+        net = _mlp()
+        zero = ZeroOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3)
+        ddp, model = ch.compile_ddp(net)
+        hook = hook_with_zero_step_interleaved(ch.allreduce_hook, ddp, zero)
+        ddp.register_comm_hook(ch.DefaultState(dist.group.WORLD), hook)
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
 
+        def zero_step(i):
+            x, y = _batch(rank, i)
+            zero.zero_grad(set_to_none=False)
+            with passes.install(), ch.compiled_autograd():
+                torch.nn.functional.mse_loss(model(x), y).backward()
+
+        return zero_step, {"before"}
+    compiled = kind == "data_parallel_compiled"
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = data_parallel(Net(), mesh)
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tokens = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(rank))
+
+    def dp_step(i):
+        with passes.install():
+            run(tokens).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return dp_step, ({"before"} if compiled else {"before", "forward", "backward"}), model
+
+
+def dying_worker(rank, world_size, kind, where):
+    """Two healthy steps, then rank 1 exits (code 3) at ``where`` in the third (eager
+    ``data_parallel``: as its second block starts its forward, or as the gradient reaches that
+    block's output in backward) while rank 0 runs it: rank 0 returns what it raised and how
+    long after the step's start."""
+    step, phases, *model = _dying_step(kind, rank)
+    assert where in phases, (kind, where)
     step(0)
     step(1)  # healthy steps, compiled code warm
     if rank == 1:
-        os._exit(3)  # dies mid-training, before the next step's collectives
+        if where == "before":
+            os._exit(3)  # dies mid-training, before the next step's collectives
+        block = model[0].blocks[1]
+        if where == "forward":
+            block.register_forward_pre_hook(lambda *_: os._exit(3))
+        else:
+
+            def exit_in_backward(module, args, out):
+                out.register_hook(lambda grad: os._exit(3))
+
+            block.register_forward_hook(exit_in_backward)
     t0 = time.monotonic()
     try:
         step(2)
@@ -59,13 +112,19 @@ def dying_worker(rank, world_size, compiled):
 
 
 @pytest.mark.parametrize(
-    "compiled",
-    [False, pytest.param(True, marks=pytest.mark.slow)],
-    ids=["eager_hook", "compiled_ddp"],
+    "kind, where",
+    [
+        ("eager_hook", "before"),
+        ("data_parallel_eager", "forward"),
+        ("data_parallel_eager", "backward"),
+        pytest.param("compiled_ddp", "before", marks=pytest.mark.slow),
+        pytest.param("data_parallel_compiled", "before", marks=pytest.mark.slow),
+        pytest.param("zero", "before", marks=pytest.mark.slow),
+    ],
 )
-def test_dead_rank_makes_the_others_raise(compiled):
+def test_dead_rank_makes_the_others_raise(kind, where):
     survivor, dead = rank_outcomes(
-        dying_worker, 2, compiled, timeout=120, teardown=False, pg_timeout_s=PG_TIMEOUT_S
+        dying_worker, 2, kind, where, timeout=180, teardown=False, pg_timeout_s=PG_TIMEOUT_S
     )
     assert dead.status == "died" and dead.exitcode == 3, (survivor, dead)
     assert survivor.status == "ok", (survivor, dead)

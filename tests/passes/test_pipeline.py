@@ -319,8 +319,9 @@ def test_run_reports_pass_times():
 def test_torch_logs_shows_the_passes_decisions(tmp_path):
     """``TORCH_LOGS="+passes"`` (docs/passes.md): every decision, and a summary line per compile."""
     import os
-    import subprocess
     import sys
+
+    from tests.processes import run_script
 
     script = tmp_path / "step.py"
     script.write_text(
@@ -333,9 +334,7 @@ def test_torch_logs_shows_the_passes_decisions(tmp_path):
         "torch.randn(32))\n"
     )
     env = {**os.environ, "TORCH_LOGS": "+passes", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
-    )
+    proc = run_script([sys.executable, str(script)], timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stderr
     assert (
