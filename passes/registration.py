@@ -11,6 +11,11 @@ keeps the order the passes made.
 - ``reorder_for_peak_memory = False``: that ordering moves every wait right after its
   collective, and in a ZeRO backward every collective after the whole backward compute.
 
+It also sets :data:`CACHE_AUTOGRAD_FUNCTIONS`: AOTAutograd's cache takes graphs that hold a
+custom ``autograd.Function`` (as every ``data_parallel`` graph does: its gather). Dynamo traces
+the function's forward and backward into the graph, which is what the cache key hashes; without
+it, every such graph is compiled again in every process, whatever the caches hold.
+
 ``sink_waits`` also holds an interleaved ZeRO step's broadcasts, and every collective after
 them, to the end of the backward (Inductor issues collectives in the graph's order).
 Inductor's ``raise_comms`` is not used: it issues collectives ahead of nodes they do not
@@ -21,13 +26,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch._functorch.config as functorch_config
+
 from compiled_hooks import compat
 from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
 from ._graph import block_of
 from .pipeline import Pipeline, default_pipeline
 
-__all__ = ["Installation", "install", "KEEP_SCHEDULE", "sink_waits_outside_blocks"]
+__all__ = [
+    "Installation",
+    "install",
+    "KEEP_SCHEDULE",
+    "CACHE_AUTOGRAD_FUNCTIONS",
+    "sink_waits_outside_blocks",
+]
 
 
 def sink_waits_outside_blocks(snodes: list[Any]) -> list[Any]:
@@ -54,6 +67,10 @@ KEEP_SCHEDULE = {
     "reorder_for_compute_comm_overlap_passes": [sink_waits_outside_blocks],
     "reorder_for_peak_memory": False,
 }
+
+
+# The AOTAutograd option install() sets (and restores).
+CACHE_AUTOGRAD_FUNCTIONS = {"autograd_cache_allow_custom_autograd_functions": True}
 
 
 def install(
@@ -118,6 +135,10 @@ class Installation:
         others = [p for p in compat.post_passes(self.previous) if not isinstance(p, Pipeline)]
         self.installed = compat.post_pass_setting([*others, pipeline])
         compat.set_custom_post_pass(self.installed)
+        self.caching: Any = functorch_config.patch(
+            {k: v for k, v in CACHE_AUTOGRAD_FUNCTIONS.items() if hasattr(functorch_config, k)}
+        )
+        self.caching.__enter__()
         self.scheduling = None
         if not compat.inductor_config.reorder_for_compute_comm_overlap:
             self.scheduling = compat.inductor_config.patch(KEEP_SCHEDULE)
@@ -133,6 +154,9 @@ class Installation:
         if self.scheduling is not None:
             self.scheduling.__exit__(None, None, None)
             self.scheduling = None
+        if self.caching is not None:
+            self.caching.__exit__(None, None, None)
+            self.caching = None
 
     def __enter__(self) -> Pipeline:
         return self.pipeline

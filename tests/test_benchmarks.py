@@ -27,6 +27,7 @@ SCRIPTS = sorted(
 SMOKE = {
     "ddp_sync": None,  # link_sweep's smoke runs ddp_sync --smoke (over a shaped link)
     "fsdp_2d": ["--smoke"],
+    "first_step": ["--smoke"],
     "fsdp_memory": None,  # test_benchmark_fsdp_memory.py runs its rows
     "fsdp_step": ["--smoke", "--timeline", "data_parallel keep + passes"],
     "gloo_collectives": ["--sizes-mb", "1", "--reps", "2", "--chunk-kib", "256"],

@@ -27,6 +27,7 @@ HANGS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # waits out its timeout
 def test_a_hung_script_and_its_children_write_their_stacks(tmp_path):
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)

@@ -16,6 +16,7 @@ def deadlocked_receives(rank, world_size):
     dist.recv(torch.zeros(1), src=1 - rank)
 
 
+@pytest.mark.slow  # waits out its timeout
 def test_a_hang_reports_every_ranks_stacks():
     with pytest.raises(RankError) as info:
         run_ranks(deadlocked_receives, 2, timeout=8)
@@ -35,6 +36,7 @@ def raise_or_wait(rank, world_size):
     threading.Event().wait()
 
 
+@pytest.mark.slow  # waits out its timeout
 def test_a_peer_that_raised_is_reported_beside_the_hung_rank():
     with pytest.raises(RankError) as info:
         run_ranks(raise_or_wait, 2, timeout=8)

@@ -36,8 +36,10 @@ FAMILIES: dict[str, list[str]] = {
         "not slow",
     ],
     "data_parallel_compiled": [
-        "tests/fsdp/test_data_parallel.py::test_int8_gathers[compiled]",
+        "tests/fsdp/test_data_parallel.py",
         "tests/fsdp/test_composition.py",
+        "-k",
+        "int8_gathers and compiled or composition",
     ],
     "zero": ["tests/zero/test_zero.py", "tests/zero/test_zero_optimizer.py", "-m", "not slow"],
     "int8": [

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -194,8 +195,17 @@ def _save_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-_RESHARD = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
-_KEEP = functools.partial(create_selective_checkpoint_contexts, _save_all)
+def _policy(fn: Callable[..., CheckpointPolicy]) -> functools.partial:
+    """The checkpoint ``context_fn`` of the gather's policy ``fn``. Its ``cache_hash`` (the
+    policy's bytecode) lets AOTAutograd cache a graph that holds it: without one, AOTAutograd
+    bypasses its cache for every graph with a selective checkpoint."""
+    context_fn = functools.partial(create_selective_checkpoint_contexts, fn)
+    context_fn.cache_hash = hashlib.sha256(fn.__code__.co_code).hexdigest()  # type: ignore[attr-defined]
+    return context_fn
+
+
+_RESHARD = _policy(_recompute_all)
+_KEEP = _policy(_save_all)
 
 
 class _DropCheckpointNotice(logging.Filter):
@@ -215,6 +225,7 @@ def gather(
     reduction: Reduction,
     reshard: bool,
     gathered: torch.Tensor | None = None,
+    block: str | None = None,
 ) -> torch.Tensor:
     """The full parameter from this rank's ``shard`` (see the module docstring). ``reshard``
     applies under ``torch.compile`` only: eager autograd keeps what the consumers save. The traced
@@ -222,10 +233,11 @@ def gather(
 
     ``gathered`` (eager): the full parameter an earlier gather of ``shard`` gave, returned
     without a collective; the gradient is reduced all the same, so a recompute that autograd
-    differentiates (reentrant checkpointing) reduces it once."""
+    differentiates (reentrant checkpointing) reduces it once. ``block``: the name the traced
+    nodes carry in place of ``layout.block``."""
     if gathered is not None:
         return _GatherReduce.apply(shard, layout, reduction, gathered)
-    with torch.fx.traceback.annotate({BLOCK: layout.block}):
+    with torch.fx.traceback.annotate({BLOCK: layout.block if block is None else block}):
         if reduction.shard_group is not None and torch.compiler.is_compiling():
             return checkpoint(
                 _GatherReduce.apply,

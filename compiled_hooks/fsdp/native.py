@@ -52,6 +52,7 @@ from .sharding import check_tensor_parallel, shard_parameter
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
 
 MODES = {"fully_shard": 1, "replicate": 1, "hybrid_shard": 2}  # mode -> mesh dimensions
+REGION = "<compiled region>"  # the block name of the gathers of a frame compiled on its own
 _CLASSES: dict[tuple[type, frozenset, bool], type] = {}
 
 
@@ -91,6 +92,7 @@ class DataParallelState:
         # the root's forward, so Dynamo keeps no tensor of it.
         self.gathered: list[dict[str, torch.Tensor]] = []
         self.started = False  # a forward ran: the (compiled) reduction is fixed
+        self.traced_root = False  # the running root forward is being traced (whole-model compile)
         # reshard_after_forward=False, eager: the gathered parameters a recompute reuses
         self.kept: dict[str, torch.Tensor] = {}
 
@@ -102,7 +104,7 @@ class _Managed(Protocol):
     _data_parallel_root: DataParallelState
     _data_parallel: DataParallelState  # the root's
     _data_parallel_layouts: dict[str, Layout]
-    _data_parallel_shared: set[str]
+    _data_parallel_shared: set[str]  # its attributes whose parameter other modules hold too
 
 
 def _managed(module: nn.Module) -> _Managed:
@@ -118,14 +120,21 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
     dp = module._data_parallel_root
     layout = module._data_parallel_layouts[name]
     if dp.gathered:
+        # one gather, one reduction of the sum, for a parameter of several modules; tested first,
+        # so a compiled frame reads no other parameter's name (identical blocks trace alike)
+        shared = name in module._data_parallel_shared
         gathered = dp.gathered[-1]
-        if layout.name in gathered:
+        if shared and layout.name in gathered:
             return gathered[layout.name]
-        full = gather(param.to_local(), layout, dp.reduction, dp.reshard)
+        # A frame compiled on its own inside an eager root forward (regional compilation) labels
+        # its gathers with one block name whatever the block, so identical blocks share the
+        # frame's graph; a traced root's graph holds every block, each under its own name.
+        block = None if dp.traced_root or not torch.compiler.is_compiling() else REGION
+        full = gather(param.to_local(), layout, dp.reduction, dp.reshard, block=block)
         if not dp.reshard:
             _keep(dp, layout.name, full)
         full = _as_read(full, layout)
-        if layout.name in module._data_parallel_shared:  # one gather, one reduction of the sum
+        if shared:
             gathered[layout.name] = full
         return full
     if not torch.compiler.is_compiling() and compat.in_backward():
@@ -164,11 +173,13 @@ def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     dp = _managed(self)._data_parallel
     dp.started = True
     dp.gathered.append({})
+    outer, dp.traced_root = dp.traced_root, torch.compiler.is_compiling()
     try:
         # the original class's forward (the class swapped in derives from it)
         output = super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     finally:
         dp.gathered.pop()
+        dp.traced_root = outer
     dtype = dp.mp_policy.output_dtype
     if dtype is None:
         return output
@@ -320,7 +331,7 @@ def data_parallel(
             m._parameters[n] = new
             layouts[n] = layout
             if uses[id(p)] > 1:
-                shared.add(layout.name)
+                shared.add(n)
         managed = _managed(m)
         (
             managed._data_parallel_layouts,

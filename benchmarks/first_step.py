@@ -1,0 +1,295 @@
+"""The first step: what a job pays to compile before its first training step, cold (an empty
+Inductor cache) and warm (a restarted job on the same cache), against the steady step.
+
+    python benchmarks/first_step.py                          # depths 2 4 8 16, every config
+    python benchmarks/first_step.py --depths 2 8 --configs "FSDP2 eager" "FSDP2 per-layer compile"
+
+Model: ``examples/llama.py``'s Llama (HuggingFace's layout) at hidden 256, MLP 512, 8 heads, 4
+key/value heads, vocabulary 1024, ``--depths`` layers; a batch of 4 x 64 tokens, fp32 SGD, 2 gloo
+ranks over loopback. Configurations:
+
+- FSDP2 eager: ``fully_shard`` per layer and the root;
+- FSDP2 per-layer compile: the same, each layer ``.compile()``d (torchtitan's default);
+- SimpleFSDP-style whole: ``fsdp_step.simple_fsdp`` compiled whole with Inductor's FSDP
+  bucketing (keeps the gathered parameters for backward);
+- data_parallel whole + passes: ``data_parallel`` (resharding after forward) compiled whole,
+  ``passes.install()``;
+- data_parallel keep, whole + passes: the same with ``reshard_after_forward=False``;
+- data_parallel per-layer + passes: each layer ``.compile()``d.
+
+Each (configuration, depth) runs as two jobs of two fresh rank processes each (started as
+torchrun would): the first on an empty ``TORCHINDUCTOR_CACHE_DIR`` (cold), the second on the
+same directory (warm, a restart). A job times its first step (forward, backward, optimizer;
+a barrier on each side) and then the median of ``--steps`` more (the steady step, reported
+from the warm job). The cold job's compile time is split by phase, from Dynamo's
+``compilation_time_metrics``: Dynamo's trace (its frame compile less the backend), AOTAutograd
+(the backend less Inductor), Inductor (its forward and backward compiles, code generation and
+the C++ compiler, less the passes) and the passes (``counters["passes"]["pipeline: us"]``).
+Cache hits are counted (AOTAutograd's and the FX graph cache's). Last, the acceptance ratios
+of the issue that asked for this benchmark: cold and warm against FSDP2 per-layer compile's,
+the cold first step at the deepest depth over the shallowest, the steady step over FSDP2
+eager's, and the passes' share of each compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+CONFIGS = [
+    "FSDP2 eager",
+    "FSDP2 per-layer compile",
+    "SimpleFSDP-style whole",
+    "data_parallel whole + passes",
+    "data_parallel keep, whole + passes",
+    "data_parallel per-layer + passes",
+]
+PEER = "FSDP2 per-layer compile"  # the start the acceptance ratios compare with
+EAGER = "FSDP2 eager"  # the steady step they compare with
+SMOKE = ["FSDP2 eager", "data_parallel whole + passes"]
+
+
+def _rank_main(config: str, depth: int, steps: int, out: str) -> None:
+    """One rank of one job (torchrun's environment): build, time the first step and ``steps``
+    more; rank 0 writes the result to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    from fsdp_step import INDUCTOR_FSDP_BUCKETING, simple_fsdp
+    from llama import Config, LlamaForCausalLM
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import passes
+    from compiled_hooks.fsdp import data_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    config_ = Config(vocab=1024, dim=256, heads=8, kv_heads=4, hidden=512, layers=depth)
+    net = LlamaForCausalLM(config_)
+    layers = list(net.model.layers)
+    options: dict = {}
+    installed = "passes" in config
+    if config.startswith("FSDP2"):
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+            if "compile" in config:
+                layer.compile()
+        run = fully_shard(net, mesh=mesh)
+    elif config.startswith("SimpleFSDP"):
+        run = torch.compile(simple_fsdp(net, mesh, MixedPrecisionPolicy()), fullgraph=True)
+        options = INDUCTOR_FSDP_BUCKETING
+    else:
+        model = data_parallel(net, mesh, reshard_after_forward="keep" not in config)
+        if "per-layer" in config:
+            for layer in layers:
+                layer.compile()
+            run = model
+        else:
+            run = torch.compile(model, fullgraph=True)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    tokens = [torch.randint(0, config_.vocab, (4, 64), generator=g) for _ in range(4)]
+
+    def step(i: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        with torch._inductor.config.patch(options):
+            if installed:
+                with passes.install():
+                    run(tokens[i % 4]).square().mean().backward()
+            else:
+                run(tokens[i % 4]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    first = step(0)
+    steady = [step(i) for i in range(1, steps + 1)]
+    if rank == 0:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        def total(name: str) -> float:
+            return sum(compilation_time_metrics.get(name, []))
+
+        inductor = total("compile_fx.<locals>.fw_compiler_base") + total(
+            "compile_fx.<locals>.bw_compiler"
+        )
+        dynamo = total("_compile.compile_inner") - total("OutputGraph.call_user_compiler")
+        compile_s = total("_compile.compile_inner") + total("backward._backward_impl")
+        passes_s = counters["passes"]["pipeline: us"] / 1e6
+        result = {
+            "config": config,
+            "depth": depth,
+            "first_s": first,
+            "steady_ms": statistics.median(steady) * 1e3 if steady else None,
+            "compile_s": compile_s,
+            "dynamo_s": dynamo,
+            "aot_s": compile_s - dynamo - inductor,
+            "inductor_s": inductor - passes_s,
+            "passes_s": passes_s,
+            "caches": {
+                k: v
+                for group in ("aot_autograd", "inductor")
+                for k, v in counters[group].items()
+                if "cache_hit" in k or "cache_miss" in k or "cache_bypass" in k
+            },
+            "graphs": counters["stats"]["unique_graphs"],
+        }
+        pathlib.Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(config: str, depth: int, steps: int, cache: str, timeout: float) -> dict:
+    """Two fresh rank processes on ``cache``: rank 0's result."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    port = _free_port()
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": cache,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, __file__, "--rank-of", config, str(depth), str(steps), out]
+    procs = [
+        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)
+    ]
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    if any(codes):
+        raise SystemExit(f"first_step: {config} at depth {depth} failed (exit codes {codes})")
+    result = json.loads(pathlib.Path(out).read_text())
+    os.unlink(out)
+    return result
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def report(rows: list[dict], depths: list[int]) -> None:
+    print(
+        "\n| config | layers | cold first step (s) | warm first step (s) | steady step (ms) "
+        "| cold: Dynamo / AOTAutograd / Inductor / passes (s) | passes' share | warm caches |"
+    )
+    print("|---|---:|---:|---:|---:|---|---:|---|")
+    for r in rows:
+        c, w = r["cold"], r["warm"]
+        hits = ", ".join(f"{k} {v}" for k, v in sorted(w["caches"].items())) or "-"
+        share = c["passes_s"] / c["compile_s"] if c["compile_s"] else 0.0
+        print(
+            f"| {r['config']} | {r['depth']} | {c['first_s']:.1f} | {w['first_s']:.1f} "
+            f"| {w['steady_ms']:.0f} | {c['dynamo_s']:.1f} / {c['aot_s']:.1f} / "
+            f"{c['inductor_s']:.1f} / {c['passes_s']:.2f} | {share:.1%} | {hits} |"
+        )
+    by = {(r["config"], r["depth"]): r for r in rows}
+    print("\nAgainst the peers (ratios of the table's medians):")
+    for config in dict.fromkeys(r["config"] for r in rows):
+        if not config.startswith("data_parallel"):
+            continue
+        for d in depths:
+            r, peer, eager = by.get((config, d)), by.get((PEER, d)), by.get((EAGER, d))
+            if r is None:
+                continue
+            cold = ratio(r["cold"]["first_s"], peer and peer["cold"]["first_s"])
+            warm = ratio(r["warm"]["first_s"], peer and peer["warm"]["first_s"])
+            steady = ratio(r["warm"]["steady_ms"], eager and eager["warm"]["steady_ms"])
+            print(
+                f"  {config}, {d} layers: cold {cold} and warm {warm} {PEER}'s; "
+                f"steady {steady} {EAGER}'s"
+            )
+        lo, hi = by.get((config, min(depths))), by.get((config, max(depths)))
+        if lo and hi and lo is not hi:
+            print(
+                f"  {config}: cold first step at {max(depths)} layers / at {min(depths)}: "
+                f"{ratio(hi['cold']['first_s'], lo['cold']['first_s'])}"
+            )
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = sorted((r for r in rows if r["config"] == config), key=lambda r: r["depth"])
+        depths = [r["depth"] for r in mine]
+        (line,) = ax.plot(depths, [r["cold"]["first_s"] for r in mine], "o-", label=config)
+        ax.plot(depths, [r["warm"]["first_s"] for r in mine], "o--", color=line.get_color())
+    ax.set_xlabel("layers")
+    ax.set_ylabel("first step (s); solid cold, dashed warm")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, metavar="CONFIG", default=CONFIGS)
+    parser.add_argument("--steps", type=int, default=6, help="steady steps after the first")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a job may take")
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--plot", help="draw first step against depth to this PNG (matplotlib)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="depth 1, FSDP2 eager and data_parallel whole"
+    )
+    parser.add_argument("--rank-of", nargs=4, help=argparse.SUPPRESS)  # a job's rank process
+    args = parser.parse_args()
+    if args.rank_of:
+        config, depth, steps, out = args.rank_of
+        _rank_main(config, int(depth), int(steps), out)
+        return
+    if args.smoke:
+        args.depths, args.configs, args.steps = [1], SMOKE, 1
+    print(f"first_step: depths {args.depths}, 2 gloo ranks over loopback, {os.cpu_count()} CPUs")
+    rows = []
+    for depth in args.depths:
+        for config in args.configs:
+            with tempfile.TemporaryDirectory(prefix="first_step_cache_") as cache:
+                cold = run_job(config, depth, 0, cache, args.timeout)
+                warm = run_job(config, depth, args.steps, cache, args.timeout)
+            rows.append({"config": config, "depth": depth, "cold": cold, "warm": warm})
+            print(
+                f"  {config}, {depth} layers: cold {cold['first_s']:.1f} s, warm "
+                f"{warm['first_s']:.1f} s, steady {warm['steady_ms']:.0f} ms",
+                flush=True,
+            )
+    report(rows, args.depths)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

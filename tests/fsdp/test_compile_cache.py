@@ -1,0 +1,82 @@
+"""A compiled ``data_parallel`` step restarts from Inductor's caches: a second job on the same
+cache dir, or a fresh job that loads ``torch.compiler.save_cache_artifacts()``, compiles no
+graph again (AOTAutograd's and the FX graph cache's counters), and the rank guard passes when
+ranks start from different cache states."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
+
+import passes
+from compiled_hooks.fsdp import data_parallel
+from examples.llama import Config, LlamaForCausalLM
+from tests.ranks import run_ranks
+
+pytestmark = pytest.mark.slow  # every job compiles or loads a whole model's step
+
+
+def step_job(rank, world_size, cache_dirs, loads, save):
+    """One compiled step of a tiny Llama under ``data_parallel`` and the passes (the rank guard
+    on), on this rank's cache dir, after loading this rank's artifacts file ``loads[rank]``
+    (None: nothing);
+    rank 0 saves the artifacts of its compile to ``save``. What the caches and the guard
+    counted, and the loss."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
+    counters.clear()
+    if loads[rank] is not None:
+        with open(loads[rank], "rb") as f:
+            assert torch.compiler.load_cache_artifacts(f.read()) is not None
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = data_parallel(LlamaForCausalLM(Config()), mesh)
+    tokens = torch.randint(0, Config().vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    with passes.install(check_ranks=True):
+        loss = torch.compile(model, fullgraph=True)(tokens).square().mean()
+        loss.backward()
+    if save is not None and rank == 0:
+        artifacts = torch.compiler.save_cache_artifacts()
+        assert artifacts is not None
+        with open(save, "wb") as f:
+            f.write(artifacts[0])
+    dist.barrier()
+    return {
+        "aot": dict(counters["aot_autograd"]),
+        "fx": dict(counters["inductor"]),
+        "checked": counters["rank_guard"]["graphs checked"],
+        "loss": loss.item(),
+    }
+
+
+def compiled_nothing(out):
+    """Every graph came from the caches: AOTAutograd hit, and its forward and backward were
+    the FX graph cache's."""
+    aot, fx = out["aot"], out["fx"]
+    return (
+        aot.get("autograd_cache_hit", 0) >= 1
+        and not any(aot.get(k) for k in ("autograd_cache_miss", "autograd_cache_bypass"))
+        and fx.get("fxgraph_cache_hit", 0) >= 2
+        and not any(fx.get(k) for k in ("fxgraph_cache_miss", "fxgraph_cache_bypass"))
+    )
+
+
+def test_restarts_and_shipped_artifacts_compile_nothing(tmp_path):
+    first, fresh, cold = (str(tmp_path / d) for d in ("first", "fresh", "cold"))
+    shipped = str(tmp_path / "artifacts.bin")
+    cold_job = run_ranks(step_job, 2, [first, first], [None, None], shipped, timeout=400)
+    for out in cold_job:
+        assert out["aot"].get("autograd_cache_miss", 0) >= 1, out  # it compiled
+        assert not out["aot"].get("autograd_cache_bypass"), out  # and could be cached
+    # a restart on the same cache dir
+    for out in run_ranks(step_job, 2, [first, first], [None, None], None, timeout=400):
+        assert compiled_nothing(out), out
+        assert out["loss"] == cold_job[0]["loss"]
+    # a fresh job on empty cache dirs, the artifacts shipped to it
+    for out in run_ranks(step_job, 2, [fresh, fresh + "1"], [shipped] * 2, None, timeout=400):
+        assert compiled_nothing(out), out
+    # ranks in different cache states: rank 0 loads the artifacts, rank 1 compiles
+    warm0, cold1 = run_ranks(step_job, 2, [fresh + "2", cold], [shipped, None], None, timeout=400)
+    assert compiled_nothing(warm0) and not compiled_nothing(cold1), (warm0, cold1)
+    assert warm0["checked"] == cold1["checked"] >= 1, (warm0, cold1)  # checked, and it passed
