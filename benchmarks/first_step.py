@@ -263,11 +263,18 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="depth 1, FSDP2 eager and data_parallel whole"
     )
+    parser.add_argument("--from-json", help="report (and --plot) the rows of an earlier --json")
     parser.add_argument("--rank-of", nargs=4, help=argparse.SUPPRESS)  # a job's rank process
     args = parser.parse_args()
     if args.rank_of:
         config, depth, steps, out = args.rank_of
         _rank_main(config, int(depth), int(steps), out)
+        return
+    if args.from_json:
+        rows = json.loads(pathlib.Path(args.from_json).read_text())
+        report(rows, sorted({r["depth"] for r in rows}))
+        if args.plot:
+            plot(rows, args.plot)
         return
     if args.smoke:
         args.depths, args.configs, args.steps = [1], SMOKE, 1

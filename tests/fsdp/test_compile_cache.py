@@ -31,7 +31,7 @@ def step_job(rank, world_size, cache_dirs, loads, save):
         with open(loads[rank], "rb") as f:
             assert torch.compiler.load_cache_artifacts(f.read()) is not None
     mesh = init_device_mesh("cpu", (world_size,))
-    model = data_parallel(LlamaForCausalLM(Config()), mesh)
+    model = data_parallel(LlamaForCausalLM(Config(layers=1)), mesh)
     tokens = torch.randint(0, Config().vocab, (2, 8), generator=torch.Generator().manual_seed(0))
     with passes.install(check_ranks=True):
         loss = torch.compile(model, fullgraph=True)(tokens).square().mean()
@@ -63,20 +63,20 @@ def compiled_nothing(out):
 
 
 def test_restarts_and_shipped_artifacts_compile_nothing(tmp_path):
-    first, fresh, cold = (str(tmp_path / d) for d in ("first", "fresh", "cold"))
+    first, fresh, fresh2, cold = (str(tmp_path / d) for d in ("first", "fresh", "fresh2", "cold"))
     shipped = str(tmp_path / "artifacts.bin")
     cold_job = run_ranks(step_job, 2, [first, first], [None, None], shipped, timeout=400)
     for out in cold_job:
         assert out["aot"].get("autograd_cache_miss", 0) >= 1, out  # it compiled
         assert not out["aot"].get("autograd_cache_bypass"), out  # and could be cached
-    # a restart on the same cache dir
-    for out in run_ranks(step_job, 2, [first, first], [None, None], None, timeout=400):
+    # rank 0 restarts on its cache dir; rank 1 starts on an empty one, the artifacts shipped to it
+    restarted, shipped_to = run_ranks(
+        step_job, 2, [first, fresh], [None, shipped], None, timeout=400
+    )
+    for out in (restarted, shipped_to):
         assert compiled_nothing(out), out
         assert out["loss"] == cold_job[0]["loss"]
-    # a fresh job on empty cache dirs, the artifacts shipped to it
-    for out in run_ranks(step_job, 2, [fresh, fresh + "1"], [shipped] * 2, None, timeout=400):
-        assert compiled_nothing(out), out
     # ranks in different cache states: rank 0 loads the artifacts, rank 1 compiles
-    warm0, cold1 = run_ranks(step_job, 2, [fresh + "2", cold], [shipped, None], None, timeout=400)
+    warm0, cold1 = run_ranks(step_job, 2, [fresh2, cold], [shipped, None], None, timeout=400)
     assert compiled_nothing(warm0) and not compiled_nothing(cold1), (warm0, cold1)
     assert warm0["checked"] == cold1["checked"] >= 1, (warm0, cold1)  # checked, and it passed
