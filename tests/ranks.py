@@ -77,7 +77,7 @@ def _entry(
     pg_timeout_s: float | None,
 ) -> None:
     global _stacks_file
-    _stacks_file = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115  # the process's
+    _stacks_file = open(_stacks_path(store_path, rank), "w")  # open for the process
     faulthandler.enable(_stacks_file, all_threads=True)  # a fatal signal: the stacks, then death
     faulthandler.register(signal.SIGUSR1, _stacks_file, all_threads=True)  # a hang: the stacks
     os.environ.setdefault("OMP_NUM_THREADS", "1")

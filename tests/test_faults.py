@@ -30,12 +30,13 @@ def _train_step(model, opt, net, rank, step):
 
 
 def _dying_step(kind, rank):
-    """``(step, where)``: one training step of ``kind`` as a function of the step index, and
-    ``where``, the phases at which rank 1 can exit mid-step in it ("before": between steps;
-    "forward", "backward": from a hook inside that phase, eager only)."""
+    """``(step, phases, model)``: one training step of ``kind`` as a function of the step index,
+    the phases at which rank 1 can exit in it ("before": between steps; "forward", "backward":
+    from a hook of the model's inside that phase, eager ``data_parallel`` only), and that model
+    (None for the others)."""
     if kind == "eager_hook":
         state = ch.DefaultState(dist.group.WORLD)
-        return (lambda i: ch.allreduce_hook(state, torch.ones(1024))), {"before"}
+        return (lambda i: ch.allreduce_hook(state, torch.ones(1024))), {"before"}, None
     if kind == "compiled_ddp":
         net = _mlp()
         _, model = ch.compile_ddp(
@@ -49,7 +50,7 @@ def _dying_step(kind, rank):
             with passes.install():
                 _train_step(model, opt, net, rank, i)
 
-        return ddp_step, {"before"}
+        return ddp_step, {"before"}, None
     if kind == "zero":
         net = _mlp()
         zero = ZeroOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3)
@@ -65,7 +66,7 @@ def _dying_step(kind, rank):
             with passes.install(), ch.compiled_autograd():
                 torch.nn.functional.mse_loss(model(x), y).backward()
 
-        return zero_step, {"before"}
+        return zero_step, {"before"}, None
     compiled = kind == "data_parallel_compiled"
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = data_parallel(Net(), mesh)
@@ -87,14 +88,14 @@ def dying_worker(rank, world_size, kind, where):
     ``data_parallel``: as its second block starts its forward, or as the gradient reaches that
     block's output in backward) while rank 0 runs it: rank 0 returns what it raised and how
     long after the step's start."""
-    step, phases, *model = _dying_step(kind, rank)
+    step, phases, model = _dying_step(kind, rank)
     assert where in phases, (kind, where)
     step(0)
     step(1)  # healthy steps, compiled code warm
     if rank == 1:
         if where == "before":
             os._exit(3)  # dies mid-training, before the next step's collectives
-        block = model[0].blocks[1]
+        block = model.blocks[1]
         if where == "forward":
             block.register_forward_pre_hook(lambda *_: os._exit(3))
         else:
