@@ -225,7 +225,6 @@ def gather(
     reduction: Reduction,
     reshard: bool,
     gathered: torch.Tensor | None = None,
-    block: str | None = None,
 ) -> torch.Tensor:
     """The full parameter from this rank's ``shard`` (see the module docstring). ``reshard``
     applies under ``torch.compile`` only: eager autograd keeps what the consumers save. The traced
@@ -233,11 +232,10 @@ def gather(
 
     ``gathered`` (eager): the full parameter an earlier gather of ``shard`` gave, returned
     without a collective; the gradient is reduced all the same, so a recompute that autograd
-    differentiates (reentrant checkpointing) reduces it once. ``block``: the name the traced
-    nodes carry in place of ``layout.block``."""
+    differentiates (reentrant checkpointing) reduces it once."""
     if gathered is not None:
         return _GatherReduce.apply(shard, layout, reduction, gathered)
-    with torch.fx.traceback.annotate({BLOCK: layout.block if block is None else block}):
+    with torch.fx.traceback.annotate({BLOCK: layout.block}):
         if reduction.shard_group is not None and torch.compiler.is_compiling():
             return checkpoint(
                 _GatherReduce.apply,

