@@ -27,16 +27,23 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
 - **PowerSGD** counts each hook call with :data:`POWERSGD_COUNT` (a side effect), whose use
   marks the all-reduces of its factors.
 - **ZeRO's sharded update** reads this rank's index in a group with :data:`GROUP_RANK`.
+- **Blocks as regions** (:mod:`compiled_hooks.fsdp.regions`): inside
+  :func:`compile_blocks_once`, a traced ``data_parallel`` root runs each block as an
+  ``invoke_subgraph`` region on its gathered parameters; the gathers and reductions stay outside
+  it. The passes turn the switch on with the joint-graph rewrite that keeps
+  ``reshard_after_forward`` (``passes.forward_region_inputs``).
 - **The rank guard**: :data:`CHECK_RANKS`, inserted by ``passes.insert_rank_guard``, runs
   :func:`compiled_hooks.rank_guard.check`.
 
-Switches the passes read from the environment: :data:`VERIFY_ENV` and :data:`CHECK_RANKS_ENV`,
-parsed by :func:`env_flag`.
+Switches: :func:`compile_blocks_once`, which the passes turn on; :data:`VERIFY_ENV` and
+:data:`CHECK_RANKS_ENV`, which they read from the environment, parsed by :func:`env_flag`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from .ops import (
     CHECK_RANKS,
@@ -55,6 +62,8 @@ __all__ = [
     "POWERSGD_COUNT",
     "VERIFY_ENV",
     "env_flag",
+    "compile_blocks_once",
+    "blocks_compile_once",
 ]
 
 BLOCK = "data_parallel_block"  # the key of a data_parallel node's block in meta["custom"]
@@ -78,3 +87,20 @@ def env_flag(name: str, default: bool = False) -> bool:
     if value in _OFF:
         return False
     raise ValueError(f"environment variable {name}={raw!r}: expected 1, 0, true or false")
+
+
+_BLOCKS_ONCE = [False]
+
+
+@contextlib.contextmanager
+def compile_blocks_once() -> Iterator[None]:
+    """Run the blocks of every ``data_parallel`` root traced inside as regions (see above)."""
+    outer, _BLOCKS_ONCE[0] = _BLOCKS_ONCE[0], True
+    try:
+        yield
+    finally:
+        _BLOCKS_ONCE[0] = outer
+
+
+def blocks_compile_once() -> bool:
+    return _BLOCKS_ONCE[0]

@@ -11,6 +11,12 @@ keeps the order the passes made.
 - ``reorder_for_peak_memory = False``: that ordering moves every wait right after its
   collective, and in a ZeRO backward every collective after the whole backward compute.
 
+It turns on ``data_parallel``'s block regions (:mod:`compiled_hooks.fsdp.regions`: a whole-model
+compile traces, partitions and generates each distinct block once) and registers
+:func:`~passes.forward_region_inputs.forward_region_inputs` as Inductor's
+``joint_custom_pre_pass``, which keeps ``reshard_after_forward`` across the regions. A
+``joint_custom_pre_pass`` already set runs first.
+
 It also sets :data:`CACHE_AUTOGRAD_FUNCTIONS`: AOTAutograd's cache takes graphs that hold a
 custom ``autograd.Function`` (as every ``data_parallel`` graph does: its gather). Dynamo traces
 the function's forward and backward into the graph, which is what the cache key hashes; without
@@ -29,9 +35,12 @@ from typing import Any
 import torch._functorch.config as functorch_config
 
 from compiled_hooks import compat
+from compiled_hooks.graph_contract import compile_blocks_once
 from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
 from ._graph import block_of
+from .cache_key import cache_key
+from .forward_region_inputs import forward_region_inputs
 from .pipeline import Pipeline, default_pipeline
 
 __all__ = [
@@ -71,6 +80,28 @@ KEEP_SCHEDULE = {
 
 # The AOTAutograd option install() sets (and restores).
 CACHE_AUTOGRAD_FUNCTIONS = {"autograd_cache_allow_custom_autograd_functions": True}
+
+
+class _JointPass(compat.CustomGraphPass):
+    """:func:`forward_region_inputs` after ``previous`` (a joint pass set before install)."""
+
+    def __init__(self, previous: Any):
+        self.previous = previous
+
+    def __call__(self, graph: Any) -> None:
+        if self.previous is not None:
+            self.previous(graph)
+        forward_region_inputs(graph)
+
+    def uuid(self) -> str | None:
+        before = None
+        if self.previous is not None:
+            before = (
+                self.previous.uuid() if isinstance(self.previous, compat.CustomGraphPass) else None
+            )
+            if before is None:
+                return None  # Inductor bypasses its cache for a pass without a uuid, as always
+        return f"{before}:{cache_key([forward_region_inputs], {}, False)}"
 
 
 def install(
@@ -139,6 +170,13 @@ class Installation:
             {k: v for k, v in CACHE_AUTOGRAD_FUNCTIONS.items() if hasattr(functorch_config, k)}
         )
         self.caching.__enter__()
+        joint = compat.inductor_config.joint_custom_pre_pass
+        if isinstance(joint, _JointPass):  # an outer install's
+            joint = joint.previous
+        self.joint = compat.inductor_config.patch(joint_custom_pre_pass=_JointPass(joint))
+        self.joint.__enter__()
+        self.regions: Any = compile_blocks_once()
+        self.regions.__enter__()
         self.scheduling = None
         if not compat.inductor_config.reorder_for_compute_comm_overlap:
             self.scheduling = compat.inductor_config.patch(KEEP_SCHEDULE)
@@ -157,6 +195,10 @@ class Installation:
         if self.caching is not None:
             self.caching.__exit__(None, None, None)
             self.caching = None
+        if self.regions is not None:
+            self.regions.__exit__(None, None, None)
+            self.joint.__exit__(None, None, None)
+            self.regions = None
 
     def __enter__(self) -> Pipeline:
         return self.pipeline

@@ -34,6 +34,8 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from compiled_hooks import compat
+
 from ._traversal import aliases, is_alias
 from .graph_text import graph_diff, graph_str
 
@@ -100,10 +102,16 @@ def partitioned_graphs(
     step: Callable[[Callable[..., Any]], Any],
 ) -> list[tuple[str, torch.fx.GraphModule]]:
     """``step(compile)`` runs a training step with ``compile`` (``torch.compile`` with a backend
-    that partitions forward and backward like Inductor, with its decompositions, and runs them
-    as traced); every ``("forward" | "backward", graph)`` compiled, in order."""
+    that partitions forward and backward like Inductor, with its decompositions and its
+    ``joint_custom_pre_pass``, and runs them as traced); every ``("forward" | "backward",
+    graph)`` compiled, in order."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._functorch.aot_autograd import aot_module_simplified
+
+    def partition(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        for joint_pass in compat.post_passes(compat.inductor_config.joint_custom_pre_pass):
+            joint_pass(joint.graph)
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
 
     graphs: list[tuple[str, torch.fx.GraphModule]] = []
 
@@ -120,7 +128,7 @@ def partitioned_graphs(
             example_inputs,
             fw_compiler=keep("forward"),
             bw_compiler=keep("backward"),
-            partition_fn=min_cut_rematerialization_partition,
+            partition_fn=partition,
             decompositions=select_decomp_table(),
         )
 

@@ -39,22 +39,24 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import compat
+from ..graph_contract import blocks_compile_once
 from ..hooks import allreduce_hook, reduce_scatter_hook
 from ..state import DefaultState
+from . import regions
+from .arguments import MODES, check_arguments
 from .blocks import default_blocks, warn_no_blocks
 from .gather import Layout, Reduction, gather
-from .sharding import check_tensor_parallel, shard_parameter
+from .sharding import shard_parameter
 
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
 
-MODES = {"fully_shard": 1, "replicate": 1, "hybrid_shard": 2}  # mode -> mesh dimensions
 REGION = "<compiled region>"  # the names in the layouts of a frame compiled on its own
-_CLASSES: dict[tuple[type, frozenset, bool], type] = {}
+_CLASSES: dict[tuple[type, frozenset, str], type] = {}
 
 
 class DataParallelState:
@@ -94,6 +96,10 @@ class DataParallelState:
         self.gathered: list[dict[str, torch.Tensor]] = []
         self.started = False  # a forward ran: the (compiled) reduction is fixed
         self.traced_root = False  # the running root forward is being traced (whole-model compile)
+        # per running block region (see .regions): (id(module), name) -> its gathered parameter
+        self.region_reads: list[dict[tuple[int, str], torch.Tensor]] = []
+        # per running root forward, like gathered: block key -> the input sizes of its variants
+        self.region_sizes: list[dict[int, list[Any]]] = []
         # reshard_after_forward=False, eager: the gathered parameters a recompute reuses
         self.kept: dict[str, torch.Tensor] = {}
 
@@ -107,6 +113,7 @@ class _Managed(Protocol):
     _data_parallel_layouts: dict[str, Layout]
     _data_parallel_region_layouts: dict[str, Layout]  # the same, named REGION (see _read_parameter)
     _data_parallel_shared: set[str]  # its attributes whose parameter other modules hold too
+    _data_parallel_block_key: int  # a block's (see .regions.block_key)
 
 
 def _managed(module: nn.Module) -> _Managed:
@@ -118,8 +125,12 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
     """What ``module.<name>`` reads: the gathered parameter inside the root's forward and in an
     activation checkpoint's recompute (eager: a read while autograd runs a backward), the
     sharded DTensor elsewhere."""
-    param = module._parameters[name]
     dp = module._data_parallel_root
+    if dp.region_reads:
+        read = dp.region_reads[-1].get((id(module), name))
+        if read is not None:
+            return read
+    param = module._parameters[name]
     layout = module._data_parallel_layouts[name]
     if dp.gathered:
         # one gather, one reduction of the sum, for a parameter of several modules; tested first,
@@ -177,12 +188,14 @@ def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     dp = _managed(self)._data_parallel
     dp.started = True
     dp.gathered.append({})
+    dp.region_sizes.append({})
     outer, dp.traced_root = dp.traced_root, torch.compiler.is_compiling()
     try:
         # the original class's forward (the class swapped in derives from it)
         output = super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     finally:
         dp.gathered.pop()
+        dp.region_sizes.pop()
         dp.traced_root = outer
     dtype = dp.mp_policy.output_dtype
     if dtype is None:
@@ -193,79 +206,62 @@ def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     )
 
 
+def _reads(block: nn.Module) -> list[tuple[_Managed, str]]:
+    return [
+        (_managed(m), n) for m in block.modules() for n, p in m._parameters.items() if p is not None
+    ]
+
+
+def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A block's forward: in a traced root forward with regions on (:mod:`.regions`), its
+    parameters gathered outside and its own forward run as a region on them; else its own."""
+    block = _managed(self)
+    dp = block._data_parallel_root
+    reads = _reads(self)
+    if not (blocks_compile_once() and torch.compiler.is_compiling() and dp.traced_root) or any(
+        m._data_parallel_layouts[n].tensor_parallel is not None for m, n in reads
+    ):
+        return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
+    params = tuple(_read_parameter(m, n) for m, n in reads)
+    sizes = [
+        tuple(t.shape) for t in tree_leaves((params, args, kwargs)) if isinstance(t, torch.Tensor)
+    ]
+    seen = dp.region_sizes[-1].setdefault(block._data_parallel_block_key, [])
+    key = block._data_parallel_block_key
+    return _REGION(self, key, regions.variant(seen, sizes), params, args, kwargs)
+
+
+def _region_body(
+    self: nn.Module, key: int, variant: int, params: tuple, args: tuple, kwargs: dict
+) -> Any:
+    """The region: the block's own forward, its parameter reads answered by ``params``."""
+    dp = _managed(self)._data_parallel_root
+    dp.region_reads.append({(id(m), n): p for (m, n), p in zip(_reads(self), params)})
+    try:
+        return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
+    finally:
+        dp.region_reads.pop()
+
+
+_REGION = regions.compile_region(_region_body)
+
+
 def _parameter_property(name: str) -> property:
     return property(lambda self: _read_parameter(self, name))
 
 
-def _swap_class(module: nn.Module, names: Iterable[str], root: bool) -> None:
+def _swap_class(module: nn.Module, names: Iterable[str], role: str = "") -> None:
     """Give ``module`` a subclass whose parameter attributes read through
-    :func:`_read_parameter` and, for the root, whose forward is :func:`_root_forward` (one
-    subclass per original class, parameter names and role)."""
-    key = (type(module), frozenset(names), root)
+    :func:`_read_parameter` and whose forward is :func:`_root_forward` for the ``"root"`` and
+    :func:`_block_forward` for a ``"block"`` (one subclass per original class,
+    parameter names and role)."""
+    key = (type(module), frozenset(names), role)
     if key not in _CLASSES:
         attrs: dict[str, Any] = {n: _parameter_property(n) for n in key[1]}
-        if root:
-            attrs["forward"] = _root_forward
+        if role:
+            attrs["forward"] = _root_forward if role == "root" else _block_forward
         _CLASSES[key] = type(f"DataParallel{type(module).__name__}", (type(module),), attrs)
     module.__class__ = _CLASSES[key]
-
-
-def _check(
-    module: nn.Module, mesh: DeviceMesh, mode: str, mp_policy: Any, reshard: Any, gather_dtype: Any
-) -> None:
-    name = "data_parallel"
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{name}: expected an nn.Module, got {type(module).__name__}")
-    if mode not in MODES:
-        raise ValueError(f"{name}: mode must be one of {sorted(MODES)}, got {mode!r}")
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{name}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != MODES[mode]:
-        layout = "a 2-D (replicate, shard) mesh" if mode == "hybrid_shard" else "a 1-D mesh"
-        raise ValueError(f"{name}: mode {mode!r} needs {layout}, got a {mesh.ndim}-D mesh")
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"{name}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
-            f"{type(mp_policy).__name__}"
-        )
-    if not isinstance(reshard, bool):
-        raise TypeError(f"{name}: reshard_after_forward must be a bool, got {reshard!r}")
-    if gather_dtype not in (None, torch.int8):
-        raise ValueError(
-            f"{name}: gather_dtype must be None (gather in mp_policy.param_dtype) or torch.int8, "
-            f"got {gather_dtype!r}"
-        )
-    if gather_dtype is not None and mode == "replicate":
-        raise ValueError(f"{name}: mode 'replicate' gathers nothing, so it takes no gather_dtype")
-    for path, m in module.named_modules():
-        what = f"submodule {path!r}" if path else "the module"
-        if isinstance(m, FSDPModule):
-            raise ValueError(
-                f"{name}: {what} is already wrapped by FSDP2 (fully_shard / replicate)"
-            )
-        if hasattr(m, "_data_parallel_root"):
-            raise ValueError(f"{name}: {what} is already wrapped by data_parallel")
-    devices = {p.device for p in module.parameters()}
-    if len(devices) > 1:
-        raise ValueError(
-            f"{name}: the parameters are on several devices {sorted(map(str, devices))}; move the "
-            "module to one device first"
-        )
-    if devices and next(iter(devices)).type != mesh.device_type:
-        raise ValueError(
-            f"{name}: the parameters are on {next(iter(devices))} but the mesh is a "
-            f"{mesh.device_type!r} mesh"
-        )
-    for path, p in module.named_parameters():
-        if isinstance(p, DTensor):
-            check_tensor_parallel(path, p, mesh)
-    if mode != "replicate":
-        for path, p in module.named_parameters():
-            if p.dim() == 0:
-                raise ValueError(
-                    f"{name}: parameter {path!r} is a scalar, which cannot be sharded on dim 0; "
-                    "make it a 1-element tensor"
-                )
 
 
 def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
@@ -298,7 +294,7 @@ def data_parallel(
     None (default): gather in ``param_dtype``. No communication happens here: every rank must
     hold the same initial parameters, as FSDP2 assumes.
     """
-    _check(module, mesh, mode, mp_policy, reshard_after_forward, gather_dtype)
+    check_arguments(module, mesh, mode, mp_policy, reshard_after_forward, gather_dtype)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     paths = {m: p for p, m in module.named_modules()}
     if blocks is None:
@@ -314,6 +310,7 @@ def data_parallel(
                 )
             block_map[paths[b]] = b
     dp = DataParallelState(mode, mesh, mp_policy, reshard_after_forward, gather_dtype)
+    blocks_ = set(block_map.values())
     sharded: dict[int, tuple[nn.Parameter, Layout]] = {}
     uses: dict[int, int] = {}
     for m in module.modules():
@@ -342,7 +339,11 @@ def data_parallel(
             n: dataclasses.replace(layout, name=REGION, block=REGION)
             for n, layout in layouts.items()
         }
-        _swap_class(m, names, root=m is module)
+        _swap_class(m, names, "root" if m is module else "block" if m in blocks_ else "")
+    for m in blocks_:
+        if not hasattr(m, "_data_parallel_layouts"):  # a block without parameters of its own
+            _swap_class(m, [], "block")
+        _managed(m)._data_parallel_block_key = regions.block_key(m)
     for m in module.modules():
         _managed(m)._data_parallel_root = dp
     root = _managed(module)
@@ -350,7 +351,7 @@ def data_parallel(
     if not hasattr(module, "_data_parallel_layouts"):  # a root without parameters of its own
         root._data_parallel_layouts, root._data_parallel_shared = {}, set()
         root._data_parallel_region_layouts = {}
-        _swap_class(module, [], root=True)
+        _swap_class(module, [], "root")
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         for m in [module, *block_map.values()]:
             m.register_forward_pre_hook(_cast_inputs(mp_policy.param_dtype), with_kwargs=True)

@@ -1,0 +1,190 @@
+"""A whole-model compile with ``passes.install()`` runs each ``data_parallel`` block as a nested
+compile region (``compiled_hooks.fsdp.regions``): identical blocks share one subgraph, the
+gathers and reductions stay outside it, and ``passes.forward_region_inputs`` keeps
+``reshard_after_forward`` (the backward gathers again). Traced on the fake process group; the
+numerics against FSDP2 are ``test_data_parallel.py``'s Inductor test, which runs with the
+regions."""
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import passes
+from compiled_hooks.fsdp import data_parallel
+from compiled_hooks.fsdp.regions import block_key
+from examples.llama import Config, LlamaForCausalLM
+from passes.testing import fake_process_group, gathered_bytes_alive
+from tests.graphs import data_parallel_graphs
+
+HOP = torch.ops.higher_order.invoke_subgraph
+GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+LAYERS = 4
+HASHED = "reuse_hash_fn" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+
+def _count(gm, op):
+    return sum(n.target is op for n in gm.graph.nodes)
+
+
+def _regions(gm):
+    """The graph's region calls and the distinct subgraphs they call."""
+    calls = [n for n in gm.graph.nodes if n.target is HOP]
+    return len(calls), len({n.args[0].target for n in calls})
+
+
+def _collectives_inside(gm):
+    return sum(
+        _count(getattr(gm, n.args[0].target), op)
+        for n in gm.graph.nodes
+        if n.target is HOP
+        for op in (GATHER, REDUCE_SCATTER)
+    )
+
+
+def _llama_graphs(reshard, install=True, config=None):
+    fake_process_group(4)
+    config = config or Config(layers=LAYERS)
+    model = data_parallel(
+        LlamaForCausalLM(config), init_device_mesh("cpu", (4,)), reshard_after_forward=reshard
+    )
+    tokens = torch.randint(0, config.vocab, (2, 8))
+    if not install:
+        return data_parallel_graphs(model, tokens)
+    with passes.install():
+        return data_parallel_graphs(model, tokens)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_blocks_are_one_region_and_the_collectives_stay_outside(reshard):
+    (_, fw), (_, bw) = _llama_graphs(reshard)
+    (_, inlined_fw), (_, inlined_bw) = _llama_graphs(reshard, install=False)
+    assert _regions(fw) == (LAYERS, 1) and _regions(bw) == (LAYERS, 1)
+    assert _collectives_inside(fw) == _collectives_inside(bw) == 0
+    # the same collectives as the graph without regions, outside them
+    assert _count(fw, GATHER) == _count(inlined_fw, GATHER)
+    assert _count(bw, REDUCE_SCATTER) == _count(inlined_bw, REDUCE_SCATTER)
+    if reshard:
+        # no gathered parameter is saved for backward, which gathers every block again
+        assert gathered_bytes_alive(fw.graph)[-1] == 0
+        assert _count(bw, GATHER) == _count(inlined_bw, GATHER) >= LAYERS * 9
+    else:
+        assert _count(bw, GATHER) == 0
+
+
+def test_without_the_joint_pass_the_region_would_keep_what_it_gathered():
+    """The rewrite is what makes the backward gather again: without it the region's forward
+    hands its gathered parameters to its backward."""
+    with passes.install(), torch._inductor.config.patch(joint_custom_pre_pass=None):
+        (_, fw), (_, bw) = _llama_graphs(True, install=False)
+    assert _regions(fw) == (LAYERS, 1)
+    assert _count(bw, GATHER) < LAYERS
+
+
+def test_blocks_that_differ_get_subgraphs_of_their_own():
+    """Blocks of one class that differ in a plain attribute the forward reads, or in a
+    parameter's shape, are not served another block's subgraph. (AOTAutograd inlines a region
+    called once, so each kind comes twice.)"""
+
+    class Block(nn.Module):
+        def __init__(self, hidden: int, scale: int):
+            super().__init__()
+            self.up, self.down, self.scale = nn.Linear(8, hidden), nn.Linear(hidden, 8), scale
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x))) * self.scale
+
+    fake_process_group(4)
+    kinds = [(16, 1), (16, 2), (32, 1)]
+    blocks = nn.Sequential(*(Block(*kind) for kind in kinds for _ in range(2)))
+    keys = [block_key(b) for b in blocks]
+    assert keys[::2] == keys[1::2] and len(set(keys)) == 3
+    model = data_parallel(blocks, init_device_mesh("cpu", (4,)))
+    with passes.install():
+        (_, fw), _ = data_parallel_graphs(model, torch.randn(4, 8, requires_grad=True))
+    assert _regions(fw) == (6, 3)
+
+
+def test_identical_blocks_on_inputs_of_other_sizes_get_subgraphs_of_their_own():
+    class Funnel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                x = layer(x if i < 2 else x[:2])
+            return x
+
+    fake_process_group(4)
+    model = data_parallel(Funnel(), init_device_mesh("cpu", (4,)))
+    with passes.install():
+        (_, fw), _ = data_parallel_graphs(model, torch.randn(4, 8, requires_grad=True))
+    calls, subgraphs = _regions(fw)
+    # without reuse_hash_fn (torch 2.11) Dynamo compares graphs, and keeps one more here
+    assert calls == 4
+    assert subgraphs == 2 if HASHED else 2 <= subgraphs <= 3
+
+
+def test_dynamic_shapes_keep_one_region_and_a_bucket_per_block():
+    """A second sequence length recompiles once, with a symbolic size; the dynamic graph still
+    calls one subgraph for every block, and the passes still bucket each block's gathers."""
+    from torch._dynamo.utils import counters
+
+    from passes.pipeline import default_pipeline
+
+    fake_process_group(4)
+    config = Config(layers=LAYERS)
+    model = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
+    graphs = []
+    counters.clear()
+    with passes.install():
+        run = torch.compile(model, fullgraph=True, backend=_partitioned(graphs))
+        for length in (8, 12, 16):
+            run(torch.randint(0, config.vocab, (2, length))).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one recompile
+    fw = graphs[-2]
+    assert any(
+        isinstance(n.meta.get("val"), torch.Tensor)
+        and n.meta["val"].shape
+        and not all(isinstance(d, int) for d in n.meta["val"].shape)
+        for n in fw.graph.nodes
+    )
+    assert _regions(fw) == (LAYERS, 1)
+    pipeline = default_pipeline()
+    pipeline(fw.graph)
+    assert _count(fw, GATHER) == LAYERS + 1  # a bucket per block, one for the root
+
+
+def _partitioned(graphs):
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    from compiled_hooks import compat
+
+    def partition(joint, inputs, **kwargs):
+        from functorch.compile import min_cut_rematerialization_partition
+
+        for joint_pass in compat.post_passes(compat.inductor_config.joint_custom_pre_pass):
+            joint_pass(joint.graph)
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=keep,
+            bw_compiler=keep,
+            partition_fn=partition,
+            decompositions=select_decomp_table(),
+        )
+
+    return backend
