@@ -188,3 +188,22 @@ def _partitioned(graphs):
         )
 
     return backend
+
+
+def test_the_passes_issue_each_blocks_gather_one_region_ahead():
+    """After the pipeline, one bucketed all-gather per block (and one for the root); block
+    ``k + 1``'s goes out after region ``k - 1`` returns and before region ``k`` runs, so it is in
+    flight while block ``k`` computes."""
+    from passes._graph import block_of
+    from passes.pipeline import default_pipeline
+
+    (_, fw), _ = _llama_graphs(True)
+    default_pipeline()(fw.graph)
+    nodes = list(fw.graph.nodes)
+    gathers = [n for n in nodes if n.target is GATHER]
+    regions = [nodes.index(n) for n in nodes if n.target is HOP]
+    blocks = [block_of(n) for n in gathers]
+    assert len(gathers) == LAYERS + 1 and len(set(blocks)) == LAYERS + 1, blocks
+    at = {block_of(n): nodes.index(n) for n in gathers}
+    for k in range(1, LAYERS - 1):
+        assert regions[k - 1] < at[f"model.layers.{k + 1}"] < regions[k], (k, at, regions)
