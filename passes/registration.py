@@ -83,25 +83,25 @@ CACHE_AUTOGRAD_FUNCTIONS = {"autograd_cache_allow_custom_autograd_functions": Tr
 
 
 class _JointPass(compat.CustomGraphPass):
-    """:func:`forward_region_inputs` after ``previous`` (a joint pass set before install)."""
+    """:func:`forward_region_inputs` after the joint passes ``previous`` set before install
+    (None, one pass or a list: :func:`compiled_hooks.compat.post_passes`'s settings)."""
 
     def __init__(self, previous: Any):
         self.previous = previous
 
     def __call__(self, graph: Any) -> None:
-        if self.previous is not None:
-            self.previous(graph)
+        for joint_pass in compat.post_passes(self.previous):
+            joint_pass(graph)
         forward_region_inputs(graph)
 
     def uuid(self) -> str | None:
-        before = None
-        if self.previous is not None:
-            before = (
-                self.previous.uuid() if isinstance(self.previous, compat.CustomGraphPass) else None
-            )
-            if before is None:
-                return None  # Inductor bypasses its cache for a pass without a uuid, as always
-        return f"{before}:{cache_key([forward_region_inputs], {}, False)}"
+        before = compat.post_passes(self.previous)
+        if not all(isinstance(p, compat.CustomGraphPass) for p in before):
+            return None  # Inductor bypasses its cache for a pass without a uuid, as always
+        ids = [p.uuid() for p in before]
+        if None in ids:
+            return None
+        return f"{ids}:{cache_key([forward_region_inputs], {}, False)}"
 
 
 def install(

@@ -128,6 +128,29 @@ def test_install_restores_previous_config():
     assert inductor_config.post_grad_custom_post_pass is None
 
 
+def test_install_runs_the_users_joint_passes_first_and_restores_them():
+    seen = []
+
+    def users_joint_pass(graph):
+        seen.append("user")
+
+    for setting in (None, users_joint_pass, [users_joint_pass]):
+        inductor_config.joint_custom_pre_pass = setting
+        try:
+            with install():
+                joint = inductor_config.joint_custom_pre_pass
+                with install():  # an inner install runs the user's passes once, not twice
+                    inner = inductor_config.joint_custom_pre_pass
+                    inner(torch.fx.Graph())
+                assert inductor_config.joint_custom_pre_pass is joint
+                # a pass without a uuid makes Inductor bypass its cache, as always
+                assert (joint.uuid() is None) == (setting is not None)
+            assert inductor_config.joint_custom_pre_pass is setting
+        finally:
+            inductor_config.joint_custom_pre_pass = None
+    assert seen == ["user", "user"]
+
+
 def installed():
     """The custom post-grad passes Inductor runs, in order (a list on 2.13+, one pass on 2.11)."""
     return compat.post_passes(inductor_config.post_grad_custom_post_pass)
