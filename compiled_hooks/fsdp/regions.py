@@ -52,13 +52,13 @@ def _plain(v: Any) -> bool:
 
 def block_key(block: nn.Module) -> int:
     """A stable hash of what makes ``block`` compute what it computes, bar its inputs and the
-    values of its tensors: per submodule, its path, class and forward, its parameters' and
-    buffers' names, shapes, dtypes and ``requires_grad``, and its attributes of plain types
-    (so blocks told apart by an ``int`` such as a layer index never share a subgraph)."""
+    values of its tensors: per submodule, its path and its classes (the whole MRO, so the class
+    ``data_parallel`` swapped in names the original), its parameters' and buffers' names,
+    shapes, dtypes and ``requires_grad``, and its attributes of plain types (so blocks told
+    apart by an ``int`` such as a layer index never share a subgraph)."""
     parts: list[tuple[Any, ...]] = []
     for path, m in block.named_modules():
-        cls = type(m)
-        parts.append((path, cls.__module__, cls.__qualname__))
+        parts.append((path, *((c.__module__, c.__qualname__) for c in type(m).__mro__)))
         tensors = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
         for n, t in sorted(tensors, key=lambda item: item[0]):
             parts.append((n, tuple(t.shape), str(t.dtype), t.requires_grad))

@@ -102,6 +102,11 @@ def test_blocks_that_differ_get_subgraphs_of_their_own():
     blocks = nn.Sequential(*(Block(*kind) for kind in kinds for _ in range(2)))
     keys = [block_key(b) for b in blocks]
     assert keys[::2] == keys[1::2] and len(set(keys)) == 3
+    # a class of the same name elsewhere: data_parallel swaps both for a "DataParallelBlock"
+    twin = type("Block", (Block,), {"__module__": "elsewhere", "forward": lambda self, x: x})
+    pair = data_parallel(nn.Sequential(Block(16, 1), twin(16, 1)), init_device_mesh("cpu", (4,)))
+    assert type(pair[0]).__name__ == type(pair[1]).__name__ == "DataParallelBlock"
+    assert block_key(pair[0]) != block_key(pair[1])
     model = data_parallel(blocks, init_device_mesh("cpu", (4,)))
     with passes.install():
         (_, fw), _ = data_parallel_graphs(model, torch.randn(4, 8, requires_grad=True))
