@@ -217,17 +217,17 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     parameters gathered outside and its own forward run as a region on them; else its own."""
     block = _managed(self)
     dp = block._data_parallel_root
+    if not (blocks_compile_once() and torch.compiler.is_compiling() and dp.traced_root):
+        return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     reads = _reads(self)
-    if not (blocks_compile_once() and torch.compiler.is_compiling() and dp.traced_root) or any(
-        m._data_parallel_layouts[n].tensor_parallel is not None for m, n in reads
-    ):
+    if any(m._data_parallel_layouts[n].tensor_parallel is not None for m, n in reads):
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     params = tuple(_read_parameter(m, n) for m, n in reads)
     sizes = [
         tuple(t.shape) for t in tree_leaves((params, args, kwargs)) if isinstance(t, torch.Tensor)
     ]
-    seen = dp.region_sizes[-1].setdefault(block._data_parallel_block_key, [])
     key = block._data_parallel_block_key
+    seen = dp.region_sizes[-1].setdefault(key, [])
     return _REGION(self, key, regions.variant(seen, sizes), params, args, kwargs)
 
 
