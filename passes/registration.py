@@ -15,7 +15,9 @@ It turns on ``data_parallel``'s block regions (:mod:`compiled_hooks.fsdp.regions
 compile traces, partitions and generates each distinct block once) and registers
 :func:`~passes.forward_region_inputs.forward_region_inputs` as Inductor's
 ``joint_custom_pre_pass``, which keeps ``reshard_after_forward`` across the regions. A
-``joint_custom_pre_pass`` already set runs first.
+``joint_custom_pre_pass`` already set runs first. While installed, ``invoke_subgraph``
+computes a region call's schema once per subgraph and kind of operands
+(:func:`compiled_hooks.compat.region_schemas_reused`), not once per call.
 
 It also sets :data:`CACHE_AUTOGRAD_FUNCTIONS`: AOTAutograd's cache takes graphs that hold a
 custom ``autograd.Function`` (as every ``data_parallel`` graph does: its gather). Dynamo traces
@@ -30,6 +32,7 @@ depend on, the rank guard's check among them.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch._functorch.config as functorch_config
@@ -175,8 +178,9 @@ class Installation:
             joint = joint.previous
         self.joint = compat.inductor_config.patch(joint_custom_pre_pass=_JointPass(joint))
         self.joint.__enter__()
-        self.regions: Any = compile_blocks_once()
-        self.regions.__enter__()
+        self.regions: Any = contextlib.ExitStack()
+        self.regions.enter_context(compile_blocks_once())
+        self.regions.enter_context(compat.region_schemas_reused())
         self.scheduling = None
         if not compat.inductor_config.reorder_for_compute_comm_overlap:
             self.scheduling = compat.inductor_config.patch(KEEP_SCHEDULE)
@@ -196,7 +200,7 @@ class Installation:
             self.caching.__exit__(None, None, None)
             self.caching = None
         if self.regions is not None:
-            self.regions.__exit__(None, None, None)
+            self.regions.close()
             self.joint.__exit__(None, None, None)
             self.regions = None
 

@@ -55,7 +55,10 @@ def owned_reads(source: str) -> list[str]:
 
 def test_only_compat_reads_the_internals_it_owns():
     sources = [
-        p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) if p.name != "compat.py"
+        p
+        for pkg in PACKAGES
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if p.parent != ROOT / "compiled_hooks" / "compat"
     ]
     assert len(sources) > 30
     found = {str(p.relative_to(ROOT)): owned_reads(p.read_text()) for p in sources}
@@ -152,3 +155,31 @@ def test_device_gathers_on_gloo_take_c10d_with_the_functional_values():
         for d, (functional, c10d) in enumerate(zip(out["functional"], out["c10d"])):
             torch.testing.assert_close(functional, torch.cat(expected, d), rtol=0, atol=0)
             torch.testing.assert_close(c10d, functional, rtol=0, atol=0)
+
+
+def test_region_schemas_are_computed_once_per_subgraph_and_kind_of_operands(monkeypatch):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compiled_hooks.compat import regions
+
+    hop = type(torch.ops.higher_order.invoke_subgraph)
+    original = hop.gen_schema
+    computed = []
+
+    def counting(*args):
+        computed.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(regions, "_GEN_SCHEMA", counting)
+    subgraph = make_fx(lambda x, w: (x @ w).relu())(torch.randn(2, 3), torch.randn(3, 4))
+    invoke = torch.ops.higher_order.invoke_subgraph
+
+    def schema(*shape):
+        return invoke.gen_schema(subgraph, "s", torch.randn(*shape), torch.randn(3, 4))
+
+    with compat.region_schemas_reused(), compat.region_schemas_reused():  # nested: one patch
+        first = schema(2, 3)
+        assert schema(2, 3) is first and len(computed) == 1  # the same kinds: reused
+        assert str(schema(5, 3)) == str(first) and len(computed) == 2  # another shape
+    assert hop.gen_schema is counting  # restored on exit (torch's own, as the module holds it)
+    assert str(schema(2, 3)) == str(first) and len(computed) == 3  # outside: every call

@@ -20,6 +20,12 @@ and every rank dequantizes the same gathered bytes::
 
 The gradient goes to the shard as if the gather were exact (a straight-through estimator).
 
+A whole-model trace (:class:`Gathers`) reads a parameter through one call of the op
+``compiled_hooks::data_parallel_gather`` instead, when its hooks keep no tensor state
+(:func:`traceable`): Dynamo records the call as one node, and AOTAutograd traces the same
+gather and reduction through the op's ``CompositeImplicitAutograd`` kernel. The graph is the
+same; Dynamo's trace costs one node per parameter instead of the function's forward and backward.
+
 Under ``torch.compile`` the gather runs under a selective activation checkpoint. With
 ``reshard=True`` its policy recomputes every op in it, so the partitioner saves the shard, not
 the gathered parameter, and the backward graph gathers again (int8 again, with int8 gathers).
@@ -32,7 +38,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import logging
+import pathlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,11 +60,21 @@ from torch.utils.checkpoint import (
 
 from .. import compat
 from ..graph_contract import BLOCK
+from ..hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
 from ..int8.codec import BLOCK_SIZE, quantize
 from ..int8.collectives import all_gather_quantized
-from ..state import LowPrecisionState
+from ..state import DefaultState, LowPrecisionState
 
-__all__ = ["Layout", "TensorParallel", "Reduction", "gather", "INT8_BLOCK_SIZE"]
+__all__ = [
+    "Layout",
+    "TensorParallel",
+    "Reduction",
+    "Gathers",
+    "traceable",
+    "gather",
+    "GATHER_OP",
+    "INT8_BLOCK_SIZE",
+]
 
 # Elements per fp32 scale of an int8 weight gather.
 INT8_BLOCK_SIZE = BLOCK_SIZE
@@ -219,12 +238,73 @@ class _DropCheckpointNotice(logging.Filter):
 logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropCheckpointNotice())
 
 
+_STATELESS_HOOKS = (allreduce_hook, reduce_scatter_hook, fp16_compress_hook, bf16_compress_hook)
+
+
+def traceable(reduction: Reduction) -> bool:
+    """Whether a traced root may gather through :data:`GATHER_OP`: the parameters are sharded and
+    every hook is a default one on its own state, which holds no tensor. AOTAutograd traces the
+    op's kernel below Dynamo, where a tensor a hook keeps would be a constant of the graph."""
+    hooks = [(reduction.hook, reduction.state), (reduction.replica_hook, reduction.replica_state)]
+    return (
+        reduction.shard_group is not None
+        and not reduction.per_parameter
+        and all(
+            hook is None
+            or (hook in _STATELESS_HOOKS and type(state) in (DefaultState, LowPrecisionState))
+            for hook, state in hooks
+        )
+    )
+
+
+class Gathers:
+    """The parameters of one ``data_parallel`` root as its traced forward names them in
+    :data:`GATHER_OP` calls: by ``index``, given in creation order (so one program gives the
+    same index in every process, and its graphs hit the compile caches), and by layout name."""
+
+    def __init__(self, reduction: Reduction, layouts: list[Layout]):
+        self.reduction = reduction
+        self.layouts = {layout.name: layout for layout in layouts}
+        self.index = next(_INDICES)
+        _GATHERS[self.index] = self
+
+
+_GATHERS: weakref.WeakValueDictionary[int, Gathers] = weakref.WeakValueDictionary()
+_INDICES = itertools.count()
+
+
+def _source_digest() -> str:
+    """A digest of this package's code: an argument of every :data:`GATHER_OP` call, so the
+    compile caches, which key a graph by its calls, never serve a graph traced by other code."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).resolve().parent.parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+_CODE = _source_digest()
+_LIBRARY = torch.library.Library("compiled_hooks", "FRAGMENT")
+_LIBRARY.define("data_parallel_gather(Tensor shard, int root, str name, str code) -> Tensor")
+
+
+def _gather_kernel(shard: torch.Tensor, root: int, name: str, code: str) -> torch.Tensor:
+    gathers = _GATHERS.get(root)
+    if gathers is None:
+        raise RuntimeError(f"data_parallel_gather: the data_parallel root {root} is gone")
+    return _GatherReduce.apply(shard, gathers.layouts[name], gathers.reduction, None)
+
+
+_LIBRARY.impl("data_parallel_gather", _gather_kernel, "CompositeImplicitAutograd")
+GATHER_OP = torch.ops.compiled_hooks.data_parallel_gather.default
+
+
 def gather(
     shard: torch.Tensor,
     layout: Layout,
     reduction: Reduction,
     reshard: bool,
     gathered: torch.Tensor | None = None,
+    traced: Gathers | None = None,
 ) -> torch.Tensor:
     """The full parameter from this rank's ``shard`` (see the module docstring). ``reshard``
     applies under ``torch.compile`` only: eager autograd keeps what the consumers save. The traced
@@ -232,11 +312,18 @@ def gather(
 
     ``gathered`` (eager): the full parameter an earlier gather of ``shard`` gave, returned
     without a collective; the gradient is reduced all the same, so a recompute that autograd
-    differentiates (reentrant checkpointing) reduces it once."""
+    differentiates (reentrant checkpointing) reduces it once.
+
+    ``traced`` (a whole-model trace, with :func:`traceable` hooks): the root whose
+    :data:`GATHER_OP` gathers ``layout``."""
     if gathered is not None:
         return _GatherReduce.apply(shard, layout, reduction, gathered)
     with torch.fx.traceback.annotate({BLOCK: layout.block}):
         if reduction.shard_group is not None and torch.compiler.is_compiling():
+            context_fn = _RESHARD if reshard else _KEEP
+            if traced is not None:
+                args = (shard, traced.index, layout.name, _CODE)
+                return checkpoint(GATHER_OP, *args, use_reentrant=False, context_fn=context_fn)
             return checkpoint(
                 _GatherReduce.apply,
                 shard,
@@ -244,6 +331,6 @@ def gather(
                 reduction,
                 None,
                 use_reentrant=False,
-                context_fn=_RESHARD if reshard else _KEEP,
+                context_fn=context_fn,
             )
         return _GatherReduce.apply(shard, layout, reduction, None)

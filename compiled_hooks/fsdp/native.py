@@ -50,7 +50,7 @@ from ..state import DefaultState
 from . import regions
 from .arguments import MODES, check_arguments
 from .blocks import default_blocks, warn_no_blocks
-from .gather import Layout, Reduction, gather
+from .gather import Gathers, Layout, Reduction, gather, traceable
 from .sharding import shard_parameter
 
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
@@ -102,6 +102,7 @@ class DataParallelState:
         self.region_sizes: list[dict[int, list[Any]]] = []
         # reshard_after_forward=False, eager: the gathered parameters a recompute reuses
         self.kept: dict[str, torch.Tensor] = {}
+        self.gathers: Gathers | None = None  # its parameters, as a traced root gathers them
 
 
 class _Managed(Protocol):
@@ -145,7 +146,10 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
             # identical blocks trace alike and share its graph; a traced root's graph holds every
             # block, each under its own name.
             layout = module._data_parallel_region_layouts[name]
-        full = gather(param.to_local(), layout, dp.reduction, dp.reshard)
+        traced = None
+        if dp.traced_root and layout.tensor_parallel is None and traceable(dp.reduction):
+            traced = dp.gathers
+        full = gather(param.to_local(), layout, dp.reduction, dp.reshard, traced=traced)
         if not dp.reshard:
             _keep(dp, layout.name, full)
         full = _as_read(full, layout)
@@ -348,6 +352,7 @@ def data_parallel(
         _managed(m)._data_parallel_root = dp
     root = _managed(module)
     root._data_parallel = dp
+    dp.gathers = Gathers(dp.reduction, [layout for _, layout in sharded.values()])
     if not hasattr(module, "_data_parallel_layouts"):  # a root without parameters of its own
         root._data_parallel_layouts, root._data_parallel_shared = {}, set()
         root._data_parallel_region_layouts = {}

@@ -13,7 +13,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import passes
-from compiled_hooks.fsdp import data_parallel
+import compiled_hooks as ch
+from compiled_hooks.fsdp import data_parallel, register_comm_hook
+from compiled_hooks.fsdp.gather import GATHER_OP
 from compiled_hooks.fsdp.regions import block_key
 from examples.llama import Config, LlamaForCausalLM
 from passes.testing import fake_process_group, gathered_bytes_alive
@@ -82,6 +84,51 @@ def test_without_the_joint_pass_the_region_would_keep_what_it_gathered():
         (_, fw), (_, bw) = _llama_graphs(True, install=False)
     assert _regions(fw) == (LAYERS, 1)
     assert _count(bw, GATHER) < LAYERS
+
+
+def _dynamo_graph(model, tokens):
+    """The graph Dynamo hands the backend for one compiled forward under ``install()``."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with passes.install():
+        torch.compile(model, fullgraph=True, backend=backend)(tokens)
+    (gm,) = graphs
+    return gm
+
+
+def _calls(gm, target):
+    """Calls of ``target`` in ``gm`` and its submodules (the checkpoint and region bodies)."""
+    return sum(
+        n.target is target
+        for m in gm.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+    )
+
+
+def test_a_traced_root_gathers_each_parameter_in_one_dynamo_node():
+    """Dynamo records a parameter's gather as one call of the gather op, not the gather's
+    autograd.Function (its forward and backward traced); a hook whose state holds tensors (int8
+    error feedback) keeps the function, which Dynamo traces with the state as graph inputs."""
+    fake_process_group(4)
+    config = Config(layers=2)
+    tokens = torch.randint(0, config.vocab, (2, 8))
+    model = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
+    params = len(list(model.parameters()))
+    gm = _dynamo_graph(model, tokens)
+    assert _calls(gm, GATHER_OP) == params
+    assert _calls(gm, torch.ops.higher_order.autograd_function_apply) == 0
+    stateful = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
+    register_comm_hook(
+        stateful, ch.QuantizedState(model._data_parallel.shard_group), ch.int8_compress_hook
+    )
+    gm = _dynamo_graph(stateful, tokens)
+    assert _calls(gm, GATHER_OP) == 0
+    assert _calls(gm, torch.ops.higher_order.autograd_function_apply) == params
 
 
 def test_blocks_that_differ_get_subgraphs_of_their_own():

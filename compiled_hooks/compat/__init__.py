@@ -1,11 +1,13 @@
-"""The torch internals this distribution reads, each read here and nowhere else.
+"""The torch internals this distribution reads, each read in this package and nowhere else
+(FSDP2's in :mod:`.fsdp2`, ``invoke_subgraph``'s in :mod:`.regions`, re-exported here).
 
 The packages support torch 2.11 to 2.15 (:data:`SUPPORTED`). They rely on names that torch
 does not promise to keep: functional collectives, FSDP2's parameter groups, Inductor's
-custom-pass hook, compiled autograd's entry point, c10d's group registry. Each is read here
-only, by feature detection (never by version strings), so a release that moves one fails in
-one place (``tests/test_compat.py``: every name resolves, and no other module reads the
-internals in :data:`OWNED`). What differs across the supported range:
+custom-pass hook, compiled autograd's entry point, c10d's group registry, the schema of an
+``invoke_subgraph`` call. Each is read here only, by feature detection (never by version
+strings), so a release that moves one fails in one place (``tests/test_compat.py``: every name
+resolves, and no other module reads the internals in :data:`OWNED`). What differs across the
+supported range:
 
 =================================  ===============================================================
 functional all-gather and          ``all_gather_single`` / ``reduce_scatter_single`` from 2.13;
@@ -27,7 +29,6 @@ naming the feature, the torch it needs and the torch running.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import hashlib
 from collections.abc import Callable
@@ -40,9 +41,20 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as _fcol
 import torch.distributed.distributed_c10d as _c10d
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard import _fsdp_api, _fsdp_common, _fsdp_state
 from torch.distributed.tensor import placement_types as _placement_types
+
+from .fsdp2 import (
+    FSDP_GROUPS,
+    FSDPGroupLayout,
+    FSDPReduceScatter,
+    fsdp_all_reduce_grads,
+    fsdp_group_layout,
+    fsdp_group_reduce_dtypes,
+    fsdp_is_root,
+    fsdp_param_groups,
+    fsdp_take_over_all_reduce,
+)
+from .regions import region_schemas_reused
 
 __all__ = [
     "SUPPORTED",
@@ -70,7 +82,9 @@ __all__ = [
     "set_custom_post_pass",
     "post_passes",
     "post_pass_setting",
+    "region_schemas_reused",
     "FSDPReduceScatter",
+    "FSDPGroupLayout",
     "fsdp_is_root",
     "fsdp_param_groups",
     "fsdp_group_reduce_dtypes",
@@ -109,6 +123,8 @@ OWNED = (
     "_current_graph_task_id",
     "_StridedShard",
     "_concatenate",
+    "_higher_order_ops",
+    "gen_schema",
 )
 
 
@@ -318,68 +334,6 @@ def post_pass_setting(passes: list[Any]) -> Any:
     return list(passes) if _LISTS else _InOrder(passes)
 
 
-# FSDP2 (fully_shard, replicate) -------------------------------------------------------------
-
-FSDPReduceScatter = _fsdp_api.ReduceScatter  # the base of a set_custom_reduce_scatter comm
-_GROUPS = (
-    "_fsdp_param_groups"
-    if hasattr(_fsdp_state.FSDPState(), "_fsdp_param_groups")
-    else "_fsdp_param_group"
-)
-
-
-def fsdp_is_root(module: FSDPModule) -> bool | None:
-    """Whether an FSDP2 module is the root; None until FSDP2 decides it (its lazy init)."""
-    return module._get_fsdp_state()._is_root
-
-
-def fsdp_param_groups(module: FSDPModule) -> list[Any]:
-    """The parameter groups of one FSDP2 module (empty when it manages no parameter)."""
-    groups = getattr(module._get_fsdp_state(), _GROUPS)
-    if _GROUPS == "_fsdp_param_groups":
-        return list(groups)
-    return [] if groups is None else [groups]
-
-
-def fsdp_group_reduce_dtypes(group: Any) -> set[torch.dtype | None]:
-    """The ``reduce_dtype`` of the mixed-precision policies of a group's parameters."""
-    return {p.mp_policy.reduce_dtype for p in group.fsdp_params}
-
-
-@dataclasses.dataclass(frozen=True)
-class FSDPGroupLayout:
-    """How an FSDP2 parameter group is laid out over its mesh (size 0: not along that kind)."""
-
-    shard_size: int
-    replicate_size: int
-
-
-def fsdp_group_layout(group: Any) -> FSDPGroupLayout:
-    info = group.mesh_info
-    sharded = isinstance(info, _fsdp_common.FSDPMeshInfo)
-    replicated = isinstance(info, _fsdp_common.DDPMeshInfo)
-    return FSDPGroupLayout(
-        info.shard_mesh_size if sharded else 0, info.replicate_mesh_size if replicated else 0
-    )
-
-
-def fsdp_all_reduce_grads(group: Any) -> bool:
-    """False while ``set_requires_all_reduce(False)`` holds for the group."""
-    return bool(group.all_reduce_grads)
-
-
-def fsdp_take_over_all_reduce(group: Any, hook: Callable[[torch.Tensor], None]) -> None:
-    """Make FSDP2 skip its own all-reduce of a replicated group and call ``hook(flat_grad)``
-    instead. FSDP2 all-reduces a group whose mesh info is a ``DDPMeshInfo``: the group gets a
-    plain ``DataParallelMeshInfo`` over the same mesh in its place (the original object, which
-    other groups may share, is left alone), and ``hook`` as its all-reduce hook."""
-    info, base = group.mesh_info, _fsdp_common.DataParallelMeshInfo
-    group.mesh_info = base(
-        **{f.name: getattr(info, f.name) for f in dataclasses.fields(base) if f.init}
-    )
-    group._all_reduce_hook = hook
-
-
 # What resolved ------------------------------------------------------------------------------
 
 
@@ -390,7 +344,7 @@ def resolved() -> dict[str, str]:
         "all_gather_single": f"torch.distributed._functional_collectives.{_ALL_GATHER}",
         "all_gather_into": f"torch.distributed.{_C10D_ALL_GATHER}",
         "reduce_scatter_single": f"torch.distributed._functional_collectives.{_REDUCE_SCATTER}",
-        "fsdp_param_groups": f"FSDPState.{_GROUPS}",
+        "fsdp_param_groups": f"FSDPState.{FSDP_GROUPS}",
         "fsdp_group_reduce_dtypes": "FSDPParam.mp_policy.reduce_dtype",
         "compiled_autograd_enabled": "torch._dynamo.compiled_autograd._enable",
         "custom_post_pass": (

@@ -1,0 +1,55 @@
+"""``invoke_subgraph``'s internals: the schema torch computes for every region call. Part of
+:mod:`compiled_hooks.compat`, which re-exports every name here; read them through ``compat``."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._higher_order_ops.invoke_subgraph import invoke_subgraph as _invoke_subgraph
+
+__all__ = ["region_schemas_reused"]
+
+_GEN_SCHEMA = type(_invoke_subgraph).gen_schema
+_SCHEMAS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_REUSING = [0]  # how many region_schemas_reused() are open
+
+
+def _operand(o: Any) -> Any:
+    if isinstance(o, torch.Tensor):
+        return (type(o), str(o.shape), str(o.stride()), o.dtype, o.device, o.requires_grad)
+    return (type(o), repr(o))
+
+
+def _reused_gen_schema(hop: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
+    graph = getattr(subgraph, "subgraph", subgraph)  # a FunctionalizeCtxWrapper's graph
+    key = (identifier, getattr(graph, "code", None), tuple(map(_operand, operands)))
+    try:
+        schemas = _SCHEMAS.setdefault(subgraph, {})
+    except TypeError:  # not weakly referenceable
+        return _GEN_SCHEMA(hop, subgraph, identifier, *operands)
+    if key not in schemas:
+        schemas[key] = _GEN_SCHEMA(hop, subgraph, identifier, *operands)
+    return schemas[key]
+
+
+@contextlib.contextmanager
+def region_schemas_reused() -> Iterator[None]:
+    """Inside, ``invoke_subgraph`` computes a call's schema once per subgraph, its code and the
+    kinds of its operands (type, shape, strides, dtype, device, ``requires_grad``). torch computes
+    it for every call that needs grad, tracing the subgraph again to check that no operand is
+    mutated: for identical blocks, the same trace once per block, in Dynamo and in
+    AOTAutograd."""
+    hop = type(_invoke_subgraph)
+    if not _REUSING[0]:
+        hop.gen_schema = _reused_gen_schema  # type: ignore[method-assign]
+    _REUSING[0] += 1
+    try:
+        yield
+    finally:
+        _REUSING[0] -= 1
+        if not _REUSING[0]:
+            hop.gen_schema = _GEN_SCHEMA  # type: ignore[method-assign]
