@@ -232,6 +232,8 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     ]
     key = block._data_parallel_block_key
     seen = dp.region_sizes[-1].setdefault(key, [])
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        return _FLAT_REGION(self, key, regions.variant(seen, sizes), *params, *args)
     return _REGION(self, key, regions.variant(seen, sizes), params, args, kwargs)
 
 
@@ -247,7 +249,14 @@ def _region_body(
         dp.region_reads.pop()
 
 
+def _flat_region_body(self: nn.Module, key: int, variant: int, *tensors: torch.Tensor) -> Any:
+    """:func:`_region_body` for a block called on tensors only, as flat arguments."""
+    count = len(_reads(self))
+    return _region_body(self, key, variant, tensors[:count], tensors[count:], {})
+
+
 _REGION = regions.compile_region(_region_body)
+_FLAT_REGION = regions.compile_region(_flat_region_body, regions.flat_region_key)
 
 
 def _parameter_property(name: str) -> property:

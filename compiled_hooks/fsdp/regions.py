@@ -40,6 +40,7 @@ __all__ = [
     "block_key",
     "variant",
     "region_key",
+    "flat_region_key",
     "compile_region",
 ]
 
@@ -90,9 +91,16 @@ def region_key(
     return hash((key, variant, len(args), tuple(kwargs), meta))
 
 
-def compile_region(body: Callable[..., Any]) -> Callable[..., Any]:
-    """``body(block, key, variant, params, args, kwargs)`` as a nested compile region reused by
-    :func:`region_key` (by Dynamo's graph comparison where torch takes no ``reuse_hash_fn``)."""
+def flat_region_key(block: nn.Module, key: int, variant: int, *tensors: torch.Tensor) -> int:
+    """:func:`region_key` of a call on tensors only, passed flat."""
+    return hash((key, variant, tuple((t.dtype, t.dim(), t.requires_grad) for t in tensors)))
+
+
+def compile_region(
+    body: Callable[..., Any], reuse_key: Callable[..., int] = region_key
+) -> Callable[..., Any]:
+    """``body(block, key, variant, ...)`` as a nested compile region reused by ``reuse_key`` (by
+    Dynamo's graph comparison where torch takes no ``reuse_hash_fn``)."""
     if "reuse_hash_fn" in inspect.signature(torch.compiler.nested_compile_region).parameters:
-        return torch.compiler.nested_compile_region(body, reuse_hash_fn=region_key)
+        return torch.compiler.nested_compile_region(body, reuse_hash_fn=reuse_key)
     return torch.compiler.nested_compile_region(body)
