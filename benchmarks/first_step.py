@@ -161,7 +161,8 @@ def _free_port() -> int:
 
 
 def run_job(config: str, depth: int, steps: int, cache: str, timeout: float) -> dict:
-    """Two fresh rank processes on ``cache``: rank 0's result."""
+    """Two fresh rank processes on ``cache``, in torchrun's environment for one host: rank 0's
+    result."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     port = _free_port()
@@ -171,6 +172,7 @@ def run_job(config: str, depth: int, steps: int, cache: str, timeout: float) -> 
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",  # as torchrun says of two ranks on one host
         "OMP_NUM_THREADS": "1",
     }
     cmd = [sys.executable, __file__, "--rank-of", config, str(depth), str(steps), out]
