@@ -20,11 +20,12 @@ and every rank dequantizes the same gathered bytes::
 
 The gradient goes to the shard as if the gather were exact (a straight-through estimator).
 
-A whole-model trace (:class:`Gathers`) reads a parameter through one call of the op
-``compiled_hooks::data_parallel_gather`` instead, when its hooks keep no tensor state
-(:func:`traceable`): Dynamo records the call as one node, and AOTAutograd traces the same
-gather and reduction through the op's ``CompositeImplicitAutograd`` kernel. The graph is the
-same; Dynamo's trace costs one node per parameter instead of the function's forward and backward.
+A whole-model trace (:class:`Gathers`) gathers a block's parameters, or one root parameter,
+through one call of the op ``compiled_hooks::data_parallel_gather`` instead, when the hooks keep
+no tensor state (:func:`traceable`): Dynamo records the call as one node, and AOTAutograd traces
+the same gathers and reductions through the op's ``CompositeImplicitAutograd`` kernel. The
+graph AOTAutograd makes is the same; Dynamo's trace costs one node instead of the function's
+forward and backward per parameter.
 
 Under ``torch.compile`` the gather runs under a selective activation checkpoint. With
 ``reshard=True`` its policy recomputes every op in it, so the partitioner saves the shard, not
@@ -72,6 +73,7 @@ __all__ = [
     "Gathers",
     "traceable",
     "gather",
+    "gather_traced",
     "GATHER_OP",
     "INT8_BLOCK_SIZE",
 ]
@@ -284,18 +286,42 @@ def _source_digest() -> str:
 
 _CODE = _source_digest()
 _LIBRARY = torch.library.Library("compiled_hooks", "FRAGMENT")
-_LIBRARY.define("data_parallel_gather(Tensor shard, int root, str name, str code) -> Tensor")
+_LIBRARY.define(
+    "data_parallel_gather(Tensor[] shards, int root, str[] names, str code) -> Tensor[]"
+)
 
 
-def _gather_kernel(shard: torch.Tensor, root: int, name: str, code: str) -> torch.Tensor:
+def _gather_kernel(
+    shards: list[torch.Tensor], root: int, names: list[str], code: str
+) -> list[torch.Tensor]:
     gathers = _GATHERS.get(root)
     if gathers is None:
         raise RuntimeError(f"data_parallel_gather: the data_parallel root {root} is gone")
-    return _GatherReduce.apply(shard, gathers.layouts[name], gathers.reduction, None)
+    layouts, reduction = gathers.layouts, gathers.reduction
+    return [_GatherReduce.apply(s, layouts[n], reduction, None) for s, n in zip(shards, names)]
 
 
 _LIBRARY.impl("data_parallel_gather", _gather_kernel, "CompositeImplicitAutograd")
 GATHER_OP = torch.ops.compiled_hooks.data_parallel_gather.default
+
+
+def gather_traced(
+    shards: list[torch.Tensor], layouts: list[Layout], traced: Gathers, reshard: bool
+) -> list[torch.Tensor]:
+    """The full parameters of ``shards``, of one block, gathered in one :data:`GATHER_OP` call
+    under one checkpoint (a whole-model trace with :func:`traceable` hooks: see
+    :func:`gather`)."""
+    names = [layout.name for layout in layouts]
+    with torch.fx.traceback.annotate({BLOCK: layouts[0].block}):
+        return checkpoint(
+            GATHER_OP,
+            shards,
+            traced.index,
+            names,
+            _CODE,
+            use_reentrant=False,
+            context_fn=_RESHARD if reshard else _KEEP,
+        )
 
 
 def gather(
@@ -322,8 +348,7 @@ def gather(
         if reduction.shard_group is not None and torch.compiler.is_compiling():
             context_fn = _RESHARD if reshard else _KEEP
             if traced is not None:
-                args = (shard, traced.index, layout.name, _CODE)
-                return checkpoint(GATHER_OP, *args, use_reentrant=False, context_fn=context_fn)
+                return gather_traced([shard], [layout], traced, reshard)[0]
             return checkpoint(
                 _GatherReduce.apply,
                 shard,

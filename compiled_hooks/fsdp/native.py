@@ -50,7 +50,7 @@ from ..state import DefaultState
 from . import regions
 from .arguments import MODES, check_arguments
 from .blocks import default_blocks, warn_no_blocks
-from .gather import Gathers, Layout, Reduction, gather, traceable
+from .gather import Gathers, Layout, Reduction, gather, gather_traced, traceable
 from .sharding import shard_parameter
 
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
@@ -218,7 +218,8 @@ def _reads(block: nn.Module) -> list[tuple[_Managed, str]]:
 
 def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A block's forward: in a traced root forward with regions on (:mod:`.regions`), its
-    parameters gathered outside and its own forward run as a region on them; else its own."""
+    parameters gathered outside (in one gather op call where the hooks allow:
+    :func:`.gather.gather_traced`) and its own forward run as a region on them; else its own."""
     block = _managed(self)
     dp = block._data_parallel_root
     if not (blocks_compile_once() and torch.compiler.is_compiling() and dp.traced_root):
@@ -226,7 +227,17 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     reads = _reads(self)
     if any(m._data_parallel_layouts[n].tensor_parallel is not None for m, n in reads):
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
-    params = tuple(_read_parameter(m, n) for m, n in reads)
+    if (
+        reads
+        and dp.gathers is not None
+        and traceable(dp.reduction)
+        and not any(n in m._data_parallel_shared for m, n in reads)
+    ):
+        shards = [m._parameters[n].to_local() for m, n in reads]
+        layouts = [m._data_parallel_layouts[n] for m, n in reads]
+        params = tuple(gather_traced(shards, layouts, dp.gathers, dp.reshard))
+    else:
+        params = tuple(_read_parameter(m, n) for m, n in reads)
     sizes = [
         tuple(t.shape) for t in tree_leaves((params, args, kwargs)) if isinstance(t, torch.Tensor)
     ]

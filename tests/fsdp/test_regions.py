@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import passes
 import compiled_hooks as ch
+import passes
 from compiled_hooks.fsdp import data_parallel, register_comm_hook
 from compiled_hooks.fsdp.gather import GATHER_OP
 from compiled_hooks.fsdp.regions import block_key
@@ -102,33 +102,40 @@ def _dynamo_graph(model, tokens):
 
 def _calls(gm, target):
     """Calls of ``target`` in ``gm`` and its submodules (the checkpoint and region bodies)."""
-    return sum(
-        n.target is target
+    return [
+        n
         for m in gm.modules()
         if isinstance(m, torch.fx.GraphModule)
         for n in m.graph.nodes
-    )
+        if n.target is target
+    ]
 
 
-def test_a_traced_root_gathers_each_parameter_in_one_dynamo_node():
-    """Dynamo records a parameter's gather as one call of the gather op, not the gather's
-    autograd.Function (its forward and backward traced); a hook whose state holds tensors (int8
-    error feedback) keeps the function, which Dynamo traces with the state as graph inputs."""
+def test_a_traced_root_gathers_a_block_in_one_dynamo_node():
+    """Dynamo records the gathers of a block's parameters as one call of the gather op (and each
+    root parameter's as one), not the gather's autograd.Function (its forward and backward
+    traced) per parameter; a hook whose state holds tensors (int8 error feedback) keeps the
+    function, which Dynamo traces with the state as graph inputs."""
     fake_process_group(4)
     config = Config(layers=2)
     tokens = torch.randint(0, config.vocab, (2, 8))
     model = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
-    params = len(list(model.parameters()))
-    gm = _dynamo_graph(model, tokens)
-    assert _calls(gm, GATHER_OP) == params
-    assert _calls(gm, torch.ops.higher_order.autograd_function_apply) == 0
-    stateful = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
-    register_comm_hook(
-        stateful, ch.QuantizedState(model._data_parallel.shard_group), ch.int8_compress_hook
+    params, in_blocks = (
+        len(list(model.parameters())),
+        len(list(model.model.layers.parameters())),
     )
+    gm = _dynamo_graph(model, tokens)
+    calls = _calls(gm, GATHER_OP)
+    assert len(calls) == config.layers + params - in_blocks
+    assert sorted(len(n.args[2]) for n in calls)[-config.layers :] == [in_blocks // 2] * 2
+    assert sum(len(n.args[2]) for n in calls) == params
+    assert not _calls(gm, torch.ops.higher_order.autograd_function_apply)
+    stateful = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
+    state = ch.QuantizedState(model._data_parallel.shard_group)
+    register_comm_hook(stateful, state, ch.int8_compress_hook)
     gm = _dynamo_graph(stateful, tokens)
-    assert _calls(gm, GATHER_OP) == 0
-    assert _calls(gm, torch.ops.higher_order.autograd_function_apply) == params
+    assert not _calls(gm, GATHER_OP)
+    assert len(_calls(gm, torch.ops.higher_order.autograd_function_apply)) == params
 
 
 def test_blocks_that_differ_get_subgraphs_of_their_own():
