@@ -11,6 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx import Graph, Node
 
+from compiled_hooks import compat
+
 from ._graph import VIEW_OPS, aten, is_op, val
 
 _VIEWS = (aten.view.default, aten.reshape.default)  # their values: view_value
@@ -34,7 +36,7 @@ def new_node(
         node.meta["val"] = value
         return node
     fake_args = torch.fx.node.map_arg((args, kwargs or {}), val)
-    mode = torch._guards.detect_fake_mode(
+    mode = compat.fake_mode(
         [v for v in torch.utils._pytree.tree_leaves(fake_args) if isinstance(v, torch.Tensor)]
     )
     if mode is None:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import torch
+import torch._guards as _guards
 import torch._inductor.config as inductor_config
 import torch._inductor.custom_graph_pass as _custom_graph_pass
 import torch.distributed as dist
@@ -63,6 +64,8 @@ __all__ = [
     "resolved",
     "all_gather_single",
     "reduce_scatter_single",
+    "fake_mode",
+    "traced_with_fake_values",
     "all_gather_into",
     "resolve_process_group",
     "group_size_by_name",
@@ -123,6 +126,7 @@ OWNED = (
     "_current_graph_task_id",
     "_StridedShard",
     "_concatenate",
+    "detect_fake_mode",
     "_higher_order_ops",
     "gen_schema",
 )
@@ -204,6 +208,17 @@ def reduce_scatter_single(
     of the ranks' ``t`` along ``scatter_dim``, traced as
     ``_c10d_functional.reduce_scatter_tensor`` and its wait."""
     return _collective(_REDUCE_SCATTER, "reduce_scatter_single")(t, reduce_op, scatter_dim, group)
+
+
+def fake_mode(tensors: Any) -> Any:
+    """The fake mode of ``tensors`` (fake tensors, or any while a fake mode is active, as
+    AOTAutograd traces); None for real tensors outside one."""
+    return _guards.detect_fake_mode(tensors)
+
+
+def traced_with_fake_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a value of a trace (see :func:`fake_mode`)."""
+    return fake_mode(t) is not None
 
 
 # Autograd's engine --------------------------------------------------------------------------

@@ -183,10 +183,12 @@ class _GatherReduce(torch.autograd.Function):
         if reduction.shard_group is None:
             return x.view_as(x) if x is shard else x
         full = compat.all_gather_single(_pad_rows(x, layout.rows), 0, reduction.shard_group)
-        if not torch.compiler.is_compiling():
+        if not (torch.compiler.is_compiling() or compat.traced_with_fake_values(full)):
             # Eager: wait now (a slice of an AsyncCollectiveTensor does not), so that one
             # all-gather at a time is in flight: several corrupt the heap on gloo (see
-            # passes.all_gather_as_all_to_all). Traced, the graph's own wait is the one.
+            # passes.all_gather_as_all_to_all). Traced (by Dynamo, or by AOTAutograd through
+            # GATHER_OP, where torch 2.11 says it is not compiling), the graph's own wait is
+            # the one.
             full = fcol.wait_tensor(full)
         return full[: layout.shape[0]]
 
