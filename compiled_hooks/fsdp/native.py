@@ -114,7 +114,31 @@ class _Managed(Protocol):
     _data_parallel_layouts: dict[str, Layout]
     _data_parallel_region_layouts: dict[str, Layout]  # the same, named REGION (see _read_parameter)
     _data_parallel_shared: set[str]  # its attributes whose parameter other modules hold too
-    _data_parallel_block_key: int  # a block's (see .regions.block_key)
+    _data_parallel_block: _Block  # a block's
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """What a block's traced forward reads of the block, fixed by :func:`data_parallel` (so
+    Dynamo walks no module tree per block): its :func:`.regions.block_key`, every parameter as
+    (module, attribute) with its layout, whether any is tensor-parallel (then the block is no
+    region), and whether another module holds one too (then each is gathered on its own)."""
+
+    key: int
+    reads: tuple[tuple[_Managed, str], ...]
+    layouts: tuple[Layout, ...]
+    tensor_parallel: bool
+    shared: bool
+
+
+def _block(block: nn.Module) -> _Block:
+    reads = tuple(
+        (_managed(m), n) for m in block.modules() for n, p in m._parameters.items() if p is not None
+    )
+    layouts = tuple(m._data_parallel_layouts[n] for m, n in reads)
+    tensor_parallel = any(layout.tensor_parallel is not None for layout in layouts)
+    shared = any(n in m._data_parallel_shared for m, n in reads)
+    return _Block(regions.block_key(block), reads, layouts, tensor_parallel, shared)
 
 
 def _managed(module: nn.Module) -> _Managed:
@@ -210,50 +234,37 @@ def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     )
 
 
-def _reads(block: nn.Module) -> list[tuple[_Managed, str]]:
-    return [
-        (_managed(m), n) for m in block.modules() for n, p in m._parameters.items() if p is not None
-    ]
-
-
 def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A block's forward: in a traced root forward with regions on (:mod:`.regions`), its
     parameters gathered outside (in one gather op call where the hooks allow:
     :func:`.gather.gather_traced`) and its own forward run as a region on them; else its own."""
     block = _managed(self)
-    dp = block._data_parallel_root
-    if not (blocks_compile_once() and torch.compiler.is_compiling() and dp.traced_root):
+    dp, plan = block._data_parallel_root, block._data_parallel_block
+    traced = blocks_compile_once() and torch.compiler.is_compiling() and dp.traced_root
+    if not traced or plan.tensor_parallel:
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
-    reads = _reads(self)
-    if any(m._data_parallel_layouts[n].tensor_parallel is not None for m, n in reads):
-        return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
-    if (
-        reads
-        and dp.gathers is not None
-        and traceable(dp.reduction)
-        and not any(n in m._data_parallel_shared for m, n in reads)
-    ):
-        shards = [m._parameters[n].to_local() for m, n in reads]
-        layouts = [m._data_parallel_layouts[n] for m, n in reads]
-        params = tuple(gather_traced(shards, layouts, dp.gathers, dp.reshard))
+    if plan.reads and not plan.shared and dp.gathers is not None and traceable(dp.reduction):
+        shards = [m._parameters[n].to_local() for m, n in plan.reads]
+        params = tuple(gather_traced(shards, list(plan.layouts), dp.gathers, dp.reshard))
     else:
-        params = tuple(_read_parameter(m, n) for m, n in reads)
-    sizes = [
-        tuple(t.shape) for t in tree_leaves((params, args, kwargs)) if isinstance(t, torch.Tensor)
-    ]
-    key = block._data_parallel_block_key
-    seen = dp.region_sizes[-1].setdefault(key, [])
+        params = tuple(_read_parameter(m, n) for m, n in plan.reads)
+    seen = dp.region_sizes[-1].setdefault(plan.key, [])
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        return _FLAT_REGION(self, key, regions.variant(seen, sizes), *params, *args)
-    return _REGION(self, key, regions.variant(seen, sizes), params, args, kwargs)
+        tensors = (*params, *args)
+        variant = regions.variant(seen, [tuple(t.shape) for t in tensors])
+        return _FLAT_REGION(self, plan.key, variant, *tensors)
+    leaves = tree_leaves((params, args, kwargs))
+    sizes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
+    return _REGION(self, plan.key, regions.variant(seen, sizes), params, args, kwargs)
 
 
 def _region_body(
     self: nn.Module, key: int, variant: int, params: tuple, args: tuple, kwargs: dict
 ) -> Any:
     """The region: the block's own forward, its parameter reads answered by ``params``."""
-    dp = _managed(self)._data_parallel_root
-    dp.region_reads.append({(id(m), n): p for (m, n), p in zip(_reads(self), params)})
+    block = _managed(self)
+    dp, reads = block._data_parallel_root, block._data_parallel_block.reads
+    dp.region_reads.append({(id(m), n): p for (m, n), p in zip(reads, params)})
     try:
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     finally:
@@ -262,7 +273,7 @@ def _region_body(
 
 def _flat_region_body(self: nn.Module, key: int, variant: int, *tensors: torch.Tensor) -> Any:
     """:func:`_region_body` for a block called on tensors only, as flat arguments."""
-    count = len(_reads(self))
+    count = len(_managed(self)._data_parallel_block.reads)
     return _region_body(self, key, variant, tensors[:count], tensors[count:], {})
 
 
@@ -367,7 +378,7 @@ def data_parallel(
     for m in blocks_:
         if not hasattr(m, "_data_parallel_layouts"):  # a block without parameters of its own
             _swap_class(m, [], "block")
-        _managed(m)._data_parallel_block_key = regions.block_key(m)
+        _managed(m)._data_parallel_block = _block(m)
     for m in module.modules():
         _managed(m)._data_parallel_root = dp
     root = _managed(module)
