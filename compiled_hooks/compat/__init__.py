@@ -65,7 +65,6 @@ __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
     "fake_mode",
-    "traced_with_fake_values",
     "all_gather_into",
     "resolve_process_group",
     "group_size_by_name",
@@ -214,11 +213,6 @@ def fake_mode(tensors: Any) -> Any:
     """The fake mode of ``tensors`` (fake tensors, or any while a fake mode is active, as
     AOTAutograd traces); None for real tensors outside one."""
     return _guards.detect_fake_mode(tensors)
-
-
-def traced_with_fake_values(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a value of a trace (see :func:`fake_mode`)."""
-    return fake_mode(t) is not None
 
 
 # Autograd's engine --------------------------------------------------------------------------

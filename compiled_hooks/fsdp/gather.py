@@ -183,7 +183,7 @@ class _GatherReduce(torch.autograd.Function):
         if reduction.shard_group is None:
             return x.view_as(x) if x is shard else x
         full = compat.all_gather_single(_pad_rows(x, layout.rows), 0, reduction.shard_group)
-        if not (torch.compiler.is_compiling() or compat.traced_with_fake_values(full)):
+        if not (torch.compiler.is_compiling() or compat.fake_mode(full) is not None):
             # Eager: wait now (a slice of an AsyncCollectiveTensor does not), so that one
             # all-gather at a time is in flight: several corrupt the heap on gloo (see
             # passes.all_gather_as_all_to_all). Traced (by Dynamo, or by AOTAutograd through
@@ -346,11 +346,11 @@ def gather(
     :data:`GATHER_OP` gathers ``layout``."""
     if gathered is not None:
         return _GatherReduce.apply(shard, layout, reduction, gathered)
+    compiling = reduction.shard_group is not None and torch.compiler.is_compiling()
+    if compiling and traced is not None:
+        return gather_traced([shard], [layout], traced, reshard)[0]
     with torch.fx.traceback.annotate({BLOCK: layout.block}):
-        if reduction.shard_group is not None and torch.compiler.is_compiling():
-            context_fn = _RESHARD if reshard else _KEEP
-            if traced is not None:
-                return gather_traced([shard], [layout], traced, reshard)[0]
+        if compiling:
             return checkpoint(
                 _GatherReduce.apply,
                 shard,
@@ -358,6 +358,6 @@ def gather(
                 reduction,
                 None,
                 use_reentrant=False,
-                context_fn=context_fn,
+                context_fn=_RESHARD if reshard else _KEEP,
             )
         return _GatherReduce.apply(shard, layout, reduction, None)
