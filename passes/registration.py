@@ -17,7 +17,8 @@ compile traces, partitions and generates each distinct block once) and registers
 ``joint_custom_pre_pass``, which keeps ``reshard_after_forward`` across the regions. A
 ``joint_custom_pre_pass`` already set runs first. While installed, ``invoke_subgraph``
 computes a region call's schema once per subgraph and kind of operands
-(:func:`compiled_hooks.compat.region_schemas_reused`), not once per call.
+(:func:`compiled_hooks.compat.region_schemas_reused`), not once per call, and Inductor lowers a
+region with no donated input (:func:`compiled_hooks.compat.region_inputs_kept`).
 
 It also sets :data:`CACHE_AUTOGRAD_FUNCTIONS`: AOTAutograd's cache takes graphs that hold a
 custom ``autograd.Function`` (as every ``data_parallel`` graph does: its gather). Dynamo traces
@@ -181,6 +182,7 @@ class Installation:
         self.regions: Any = contextlib.ExitStack()
         self.regions.enter_context(compile_blocks_once())
         self.regions.enter_context(compat.region_schemas_reused())
+        self.regions.enter_context(compat.region_inputs_kept())
         self.scheduling = None
         if not compat.inductor_config.reorder_for_compute_comm_overlap:
             self.scheduling = compat.inductor_config.patch(KEEP_SCHEDULE)

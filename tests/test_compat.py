@@ -183,3 +183,24 @@ def test_region_schemas_are_computed_once_per_subgraph_and_kind_of_operands(monk
         assert str(schema(5, 3)) == str(first) and len(computed) == 2  # another shape
     assert hop.gen_schema is counting  # restored on exit (torch's own, as the module holds it)
     assert str(schema(2, 3)) == str(first) and len(computed) == 3  # outside: every call
+
+
+def test_region_lowering_keeps_its_inputs(monkeypatch):
+    """Inside ``region_inputs_kept``, a region's lowering marks no input donated, whatever the
+    backward around it donates (here, what a stand-in for torch 2.13's ``__init__`` sets)."""
+    from torch._inductor.graph import SubgraphLowering
+
+    def inherits(self, *args, **kwargs):
+        self.bw_donated_idxs = [0, 1]  # the outer backward's indices
+
+    monkeypatch.setattr(SubgraphLowering, "__init__", inherits)
+
+    def lowered():
+        lowering = object.__new__(SubgraphLowering)
+        lowering.__init__()
+        return lowering.bw_donated_idxs
+
+    with compat.region_inputs_kept(), compat.region_inputs_kept():  # nested: one patch
+        assert lowered() is None
+    assert SubgraphLowering.__init__ is inherits  # restored on exit
+    assert lowered() == [0, 1]

@@ -11,6 +11,7 @@ import functools
 import os
 import re
 import signal
+import weakref
 
 import pytest
 import torch
@@ -321,6 +322,16 @@ CASES = {
         TypeError,
         "cannot reduce a 'replicate' module",
     ),
+    "data_parallel_switch_inside_forward": (
+        lambda g: _switching_in_forward()(torch.ones(1, 2)),
+        RuntimeError,
+        "set_requires_gradient_sync: called inside the data_parallel module's forward",
+    ),
+    "data_parallel_switch_not_bool": (
+        lambda g: _native().set_requires_gradient_sync(1),
+        TypeError,
+        "requires_gradient_sync must be a bool, got int",
+    ),
     "data_parallel_hook_on_non_root": (
         lambda g: ch.fsdp.register_comm_hook(_native()[0], _state(g), ch.reduce_scatter_hook),
         AssertionError,
@@ -562,6 +573,21 @@ def _tensor_parallel():
 
 def _native(mode="fully_shard"):
     return ch.fsdp.data_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), _mesh(), mode=mode)
+
+
+class _SwitchInForward(torch.nn.Module):
+    """A first block without parameters that switches its root's gradient sync in forward."""
+
+    def forward(self, x):
+        self.root().set_requires_gradient_sync(False)
+        return x
+
+
+def _switching_in_forward():
+    switch = _SwitchInForward()
+    root = ch.fsdp.data_parallel(torch.nn.Sequential(switch, torch.nn.Linear(2, 2)), _mesh())
+    switch.root = weakref.ref(root)
+    return root
 
 
 def _two_devices():

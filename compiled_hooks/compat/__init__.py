@@ -55,7 +55,7 @@ from .fsdp2 import (
     fsdp_param_groups,
     fsdp_take_over_all_reduce,
 )
-from .regions import region_schemas_reused
+from .regions import region_inputs_kept, region_schemas_reused
 
 __all__ = [
     "SUPPORTED",
@@ -85,6 +85,7 @@ __all__ = [
     "post_passes",
     "post_pass_setting",
     "region_schemas_reused",
+    "region_inputs_kept",
     "FSDPReduceScatter",
     "FSDPGroupLayout",
     "fsdp_is_root",
@@ -100,6 +101,8 @@ SUPPORTED = ">=2.11,<2.16"  # pyproject.toml requires torch in this range (tests
 # The internals only this module reads (tests/test_compat.py scans the packages for them).
 # Not reduce_scatter_tensor: that is also the name of the functional op, which every release has.
 OWNED = (
+    "SubgraphLowering",
+    "bw_donated_idxs",
     "all_gather_single",
     "reduce_scatter_single",
     "all_gather_tensor",

@@ -1,5 +1,6 @@
-"""``invoke_subgraph``'s internals: the schema torch computes for every region call. Part of
-:mod:`compiled_hooks.compat`, which re-exports every name here; read them through ``compat``."""
+"""``invoke_subgraph``'s internals: the schema torch computes for every region call, and the
+donated inputs Inductor gives a region's backward. Part of :mod:`compiled_hooks.compat`, which
+re-exports every name here; read them through ``compat``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph as _invoke_subgraph
 
-__all__ = ["region_schemas_reused"]
+__all__ = ["region_schemas_reused", "region_inputs_kept"]
 
 _GEN_SCHEMA = type(_invoke_subgraph).gen_schema
 _SCHEMAS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
@@ -53,3 +54,33 @@ def region_schemas_reused() -> Iterator[None]:
         _REUSING[0] -= 1
         if not _REUSING[0]:
             hop.gen_schema = _GEN_SCHEMA  # type: ignore[method-assign]
+
+
+_KEEPING = [0]  # how many region_inputs_kept() are open
+_LOWERING_INIT: list[Any] = []  # SubgraphLowering.__init__ while one is open
+
+
+@contextlib.contextmanager
+def region_inputs_kept() -> Iterator[None]:
+    """Inside, Inductor lowers a region (``SubgraphLowering``) with no donated input. torch 2.11
+    and 2.13 give it the donated-input indices of the backward graph around it, which number
+    other inputs: a region's backward then writes its output into an input the outer graph
+    reuses, and the gradients come out wrong (pytorch/pytorch#193960, fixed in 2.15)."""
+    from torch._inductor.graph import SubgraphLowering
+
+    if not _KEEPING[0]:
+        init = SubgraphLowering.__init__
+        _LOWERING_INIT.append(init)
+
+        def kept_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            self.bw_donated_idxs = None
+
+        SubgraphLowering.__init__ = kept_init  # type: ignore[method-assign]
+    _KEEPING[0] += 1
+    try:
+        yield
+    finally:
+        _KEEPING[0] -= 1
+        if not _KEEPING[0]:
+            SubgraphLowering.__init__ = _LOWERING_INIT.pop()  # type: ignore[method-assign]

@@ -20,6 +20,7 @@ from . import native_hook as _native_hook
 from .blocks import default_blocks
 from .fsdp2 import ALREADY, ROOT_ONLY, HookAllReduce, HookReduceScatter
 from .native import MODES, DataParallelState, data_parallel, is_data_parallel
+from .root import DataParallelModule
 
 __all__ = [
     "data_parallel",
@@ -28,6 +29,7 @@ __all__ = [
     "get_comm_hook",
     "is_data_parallel",
     "DataParallelState",
+    "DataParallelModule",
     "MODES",
     "HookReduceScatter",
     "HookAllReduce",

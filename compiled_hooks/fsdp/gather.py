@@ -36,7 +36,6 @@ recomputes the module but not the gather.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import itertools
@@ -47,12 +46,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 import torch.fx.traceback
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -65,6 +61,9 @@ from ..hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, redu
 from ..int8.codec import BLOCK_SIZE, quantize
 from ..int8.collectives import all_gather_quantized
 from ..state import DefaultState, LowPrecisionState
+from .accumulation import NOTHING, Accumulate
+from .layout import Layout, TensorParallel
+from .reduction import Reduction
 
 __all__ = [
     "Layout",
@@ -82,77 +81,6 @@ __all__ = [
 INT8_BLOCK_SIZE = BLOCK_SIZE
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorParallel:
-    """How tensor parallelism lays out a parameter that ``data_parallel`` shards further: the
-    tensor-parallel mesh, its placements, and the parameter's global shape and stride. The
-    gathered parameter is this rank's tensor-parallel local tensor, which the module reads as
-    a DTensor of this layout."""
-
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-    shape: torch.Size
-    stride: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where one parameter's rows live: ``rows`` per rank after padding (0: replicated) and
-    this rank's real ``local_rows`` of the gathered ``shape`` (the tensor-parallel local
-    tensor's under ``tensor_parallel``); ``name`` is its fully qualified name and ``block``
-    names the module group it is gathered with."""
-
-    name: str
-    shape: torch.Size
-    rows: int
-    local_rows: int
-    block: str
-    tensor_parallel: TensorParallel | None = None
-
-
-@dataclasses.dataclass
-class Reduction:
-    """What a gradient goes through in backward: the gather group, the hook and its state, and
-    for hybrid_shard the replicas' all-reduce hook and state. ``reduce_dtype`` casts the
-    gradient before a hook whose state is not a ``LowPrecisionState`` (a compression hook
-    casts by itself)."""
-
-    shard_group: dist.ProcessGroup | None
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    hook: Callable[..., Any]
-    state: Any
-    replica_hook: Callable[..., Any] | None = None
-    replica_state: Any = None
-    # the hooks take param= (a parameter's fully qualified name): they keep state per parameter
-    per_parameter: bool = False
-    # torch.int8: the forward's gathers send int8 blocks and scales (None: param_dtype)
-    gather_dtype: torch.dtype | None = None
-
-    def shard_size(self) -> int:
-        return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
-
-    def hook_shapes(self, layout: Layout) -> tuple[torch.Size, torch.Size | None]:
-        """The shapes the hook gets for ``layout``'s gradient: ``(grad, output)``, ``output``
-        None for the all-reduce form (no shard group); sharded, ``grad`` is padded to whole
-        shards."""
-        if self.shard_group is None:
-            return layout.shape, None
-        rest = tuple(layout.shape[1:])
-        return (
-            torch.Size((layout.rows * self.shard_size(), *rest)),
-            torch.Size((layout.rows, *rest)),
-        )
-
-    def hook_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-        """(dtype the hook's input is cast to, dtype of its output)."""
-        if isinstance(self.state, LowPrecisionState):
-            out = self.state.parameter_type
-            return (grad_dtype if self.shard_group is not None else out), out
-        dtype = self.reduce_dtype or grad_dtype
-        return dtype, dtype
-
-
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     missing = rows - t.shape[0]
     if missing == 0:
@@ -168,8 +96,16 @@ class _GatherReduce(torch.autograd.Function):
         layout: Layout,
         reduction: Reduction,
         gathered: torch.Tensor | None,
+        leaf: torch.Tensor | None = None,
+        pending: torch.Tensor | None = None,
+        marker: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ctx.layout, ctx.reduction, ctx.dtype = layout, reduction, shard.dtype
+        # traced, the forward fixes whether the backward accumulates (see .accumulation)
+        ctx.traced = torch.compiler.is_compiling() or compat.fake_mode(shard) is not None
+        ctx.accumulates, ctx.pending = leaf is not None, pending is not None
+        if pending is not None:
+            ctx.save_for_backward(pending)
         if gathered is not None:  # what an earlier gather of the same shard gave
             return gathered.detach()
         dtype = reduction.param_dtype or shard.dtype
@@ -193,21 +129,36 @@ class _GatherReduce(torch.autograd.Function):
         return full[: layout.shape[0]]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layout, r = ctx.layout, ctx.reduction
         in_dtype, out_dtype = r.hook_dtypes(grad.dtype)
+        g = grad.to(in_dtype)
+        if ctx.accumulates:  # traced with sync off: autograd accumulates into the leaf
+            return None, None, None, None, g, None, None
+        pending = None
+        if ctx.traced:
+            pending = ctx.saved_tensors[0] if ctx.pending else None
+        elif r.accumulation.sync:
+            pending = r.accumulation.take(layout.name)
+        else:
+            r.accumulation.add(layout.name, g)
+            return None, None, None, None, None, None, None
+        if pending is not None:
+            g = g + pending
+        # the marker's gradient tells its hook that the pending sum is consumed
+        marker = pending.new_zeros(()) if ctx.pending and pending is not None else None
         key = {"param": layout.name} if r.per_parameter else {}
         if r.shard_group is None:
-            g = grad.to(in_dtype, copy=True)
+            g = g.clone() if g is grad else g
             r.hook(r.state, g, **key)
-            return g.to(ctx.dtype), None, None, None
+            return g.to(ctx.dtype), None, None, None, None, None, marker
         grad_shape, out_shape = r.hook_shapes(layout)
-        g = _pad_rows(grad.to(in_dtype), grad_shape[0]).contiguous()
+        g = _pad_rows(g, grad_shape[0]).contiguous()
         out = g.new_empty(out_shape, dtype=out_dtype)
         r.hook(r.state, g, out, **key)
         if r.replica_hook is not None:
             r.replica_hook(r.replica_state, out, **key)
-        return out[: layout.local_rows].to(ctx.dtype), None, None, None
+        return out[: layout.local_rows].to(ctx.dtype), None, None, None, None, None, marker
 
 
 def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -289,18 +240,28 @@ def _source_digest() -> str:
 _CODE = _source_digest()
 _LIBRARY = torch.library.Library("compiled_hooks", "FRAGMENT")
 _LIBRARY.define(
-    "data_parallel_gather(Tensor[] shards, int root, str[] names, str code) -> Tensor[]"
+    "data_parallel_gather(Tensor[] shards, Tensor?[] leaves, Tensor?[] pending, "
+    "Tensor?[] markers, int root, str[] names, str code) -> Tensor[]"
 )
 
 
 def _gather_kernel(
-    shards: list[torch.Tensor], root: int, names: list[str], code: str
+    shards: list[torch.Tensor],
+    leaves: list[torch.Tensor | None],
+    pending: list[torch.Tensor | None],
+    markers: list[torch.Tensor | None],
+    root: int,
+    names: list[str],
+    code: str,
 ) -> list[torch.Tensor]:
     gathers = _GATHERS.get(root)
     if gathers is None:
         raise RuntimeError(f"data_parallel_gather: the data_parallel root {root} is gone")
     layouts, reduction = gathers.layouts, gathers.reduction
-    return [_GatherReduce.apply(s, layouts[n], reduction, None) for s, n in zip(shards, names)]
+    return [
+        _GatherReduce.apply(s, layouts[n], reduction, None, *a)
+        for s, n, *a in zip(shards, names, leaves, pending, markers)
+    ]
 
 
 _LIBRARY.impl("data_parallel_gather", _gather_kernel, "CompositeImplicitAutograd")
@@ -308,16 +269,24 @@ GATHER_OP = torch.ops.compiled_hooks.data_parallel_gather.default
 
 
 def gather_traced(
-    shards: list[torch.Tensor], layouts: list[Layout], traced: Gathers, reshard: bool
+    shards: list[torch.Tensor],
+    layouts: list[Layout],
+    traced: Gathers,
+    reshard: bool,
+    accumulate: list[Accumulate],
 ) -> list[torch.Tensor]:
     """The full parameters of ``shards``, of one block, gathered in one :data:`GATHER_OP` call
     under one checkpoint (a whole-model trace with :func:`traceable` hooks: see
     :func:`gather`)."""
     names = [layout.name for layout in layouts]
+    leaves, pending, markers = (list(column) for column in zip(*accumulate))
     with torch.fx.traceback.annotate({BLOCK: layouts[0].block}):
         return checkpoint(
             GATHER_OP,
             shards,
+            leaves,
+            pending,
+            markers,
             traced.index,
             names,
             _CODE,
@@ -333,6 +302,7 @@ def gather(
     reshard: bool,
     gathered: torch.Tensor | None = None,
     traced: Gathers | None = None,
+    accumulate: Accumulate = NOTHING,
 ) -> torch.Tensor:
     """The full parameter from this rank's ``shard`` (see the module docstring). ``reshard``
     applies under ``torch.compile`` only: eager autograd keeps what the consumers save. The traced
@@ -343,12 +313,13 @@ def gather(
     differentiates (reentrant checkpointing) reduces it once.
 
     ``traced`` (a whole-model trace, with :func:`traceable` hooks): the root whose
-    :data:`GATHER_OP` gathers ``layout``."""
+    :data:`GATHER_OP` gathers ``layout``. ``accumulate`` (traced only): what the forward fixes
+    of the backward's accumulation (:mod:`.accumulation`)."""
     if gathered is not None:
         return _GatherReduce.apply(shard, layout, reduction, gathered)
     compiling = reduction.shard_group is not None and torch.compiler.is_compiling()
     if compiling and traced is not None:
-        return gather_traced([shard], [layout], traced, reshard)[0]
+        return gather_traced([shard], [layout], traced, reshard, [accumulate])[0]
     with torch.fx.traceback.annotate({BLOCK: layout.block}):
         if compiling:
             return checkpoint(
@@ -357,6 +328,7 @@ def gather(
                 layout,
                 reduction,
                 None,
+                *accumulate,
                 use_reentrant=False,
                 context_fn=_RESHARD if reshard else _KEEP,
             )

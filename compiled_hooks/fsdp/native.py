@@ -45,64 +45,17 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import compat
 from ..graph_contract import blocks_compile_once
-from ..hooks import allreduce_hook, reduce_scatter_hook
-from ..state import DefaultState
-from . import regions
+from . import accumulation, regions
 from .arguments import MODES, check_arguments
 from .blocks import default_blocks, warn_no_blocks
-from .gather import Gathers, Layout, Reduction, gather, gather_traced, traceable
+from .gather import Gathers, Layout, gather, gather_traced, traceable
+from .root import DataParallelModule, DataParallelState
 from .sharding import shard_parameter
 
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
 
 REGION = "<compiled region>"  # the names in the layouts of a frame compiled on its own
 _CLASSES: dict[tuple[type, frozenset, str], type] = {}
-
-
-class DataParallelState:
-    """What ``data_parallel`` attaches to the root as ``module._data_parallel``."""
-
-    def __init__(
-        self,
-        mode: str,
-        mesh: DeviceMesh,
-        mp_policy: MixedPrecisionPolicy,
-        reshard: bool,
-        gather_dtype: torch.dtype | None = None,
-    ):
-        self.mode, self.mesh, self.mp_policy, self.reshard = mode, mesh, mp_policy, reshard
-        self.shard_group = None if mode == "replicate" else mesh.get_group(mesh.ndim - 1)
-        self.replicate_group = mesh.get_group(0) if mode != "fully_shard" else None
-        hook_group = self.replicate_group if mode == "replicate" else self.shard_group
-        assert hook_group is not None, "replicate has a replicate group, the others a shard group"
-        self.reduction = Reduction(
-            self.shard_group,
-            mp_policy.param_dtype,
-            mp_policy.reduce_dtype,
-            allreduce_hook if mode == "replicate" else reduce_scatter_hook,
-            DefaultState(hook_group),
-            gather_dtype=gather_dtype,
-        )
-        if self.replicate_group is not None and mode == "hybrid_shard":
-            self.reduction.replica_hook, self.reduction.replica_state = (
-                allreduce_hook,
-                DefaultState(self.replicate_group),
-            )
-        self.comm_hook: Callable[..., Any] | None = None
-        self.comm_hook_state: Any = None
-        # Per running root forward (empty outside one, where reads give the DTensor), the shared
-        # parameters gathered so far (gathered once per forward): a dict made and dropped inside
-        # the root's forward, so Dynamo keeps no tensor of it.
-        self.gathered: list[dict[str, torch.Tensor]] = []
-        self.started = False  # a forward ran: the (compiled) reduction is fixed
-        self.traced_root = False  # the running root forward is being traced (whole-model compile)
-        # per running block region (see .regions): (id(module), name) -> its gathered parameter
-        self.region_reads: list[dict[tuple[int, str], torch.Tensor]] = []
-        # per running root forward, like gathered: block key -> the input sizes of its variants
-        self.region_sizes: list[dict[int, list[Any]]] = []
-        # reshard_after_forward=False, eager: the gathered parameters a recompute reuses
-        self.kept: dict[str, torch.Tensor] = {}
-        self.gathers: Gathers | None = None  # its parameters, as a traced root gathers them
 
 
 class _Managed(Protocol):
@@ -115,6 +68,8 @@ class _Managed(Protocol):
     _data_parallel_region_layouts: dict[str, Layout]  # the same, named REGION (see _read_parameter)
     _data_parallel_shared: set[str]  # its attributes whose parameter other modules hold too
     _data_parallel_block: _Block  # a block's
+    # its parameter attributes' (accumulator, marker), once sync was off (see .accumulation)
+    _data_parallel_accumulators: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +125,12 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
             # identical blocks trace alike and share its graph; a traced root's graph holds every
             # block, each under its own name.
             layout = module._data_parallel_region_layouts[name]
-        traced = None
+        traced, accumulate = None, accumulation.NOTHING
         if dp.traced_root and layout.tensor_parallel is None and traceable(dp.reduction):
             traced = dp.gathers
-        full = gather(param.to_local(), layout, dp.reduction, dp.reshard, traced=traced)
+        if torch.compiler.is_compiling():
+            accumulate = _accumulate(module, name)
+        full = gather(param.to_local(), layout, dp.reduction, dp.reshard, None, traced, accumulate)
         if not dp.reshard:
             _keep(dp, layout.name, full)
         full = _as_read(full, layout)
@@ -184,6 +141,12 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
         kept = dp.kept.get(layout.name)
         return _as_read(gather(param.to_local(), layout, dp.reduction, dp.reshard, kept), layout)
     return param
+
+
+def _accumulate(module: _Managed, name: str) -> accumulation.Accumulate:
+    """What a traced forward fixes of the accumulation of ``module.<name>``'s gradient."""
+    sync = module._data_parallel_root.reduction.accumulation.sync
+    return accumulation.traced(module._data_parallel_accumulators.get(name), sync)
 
 
 def _as_read(full: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -245,7 +208,10 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     if plan.reads and not plan.shared and dp.gathers is not None and traceable(dp.reduction):
         shards = [m._parameters[n].to_local() for m, n in plan.reads]
-        params = tuple(gather_traced(shards, list(plan.layouts), dp.gathers, dp.reshard))
+        accumulate = [_accumulate(m, n) for m, n in plan.reads]
+        params = tuple(
+            gather_traced(shards, list(plan.layouts), dp.gathers, dp.reshard, accumulate)
+        )
     else:
         params = tuple(_read_parameter(m, n) for m, n in plan.reads)
     seen = dp.region_sizes[-1].setdefault(plan.key, [])
@@ -295,7 +261,8 @@ def _swap_class(module: nn.Module, names: Iterable[str], role: str = "") -> None
         attrs: dict[str, Any] = {n: _parameter_property(n) for n in key[1]}
         if role:
             attrs["forward"] = _root_forward if role == "root" else _block_forward
-        _CLASSES[key] = type(f"DataParallel{type(module).__name__}", (type(module),), attrs)
+        bases = (DataParallelModule, type(module)) if role == "root" else (type(module),)
+        _CLASSES[key] = type(f"DataParallel{type(module).__name__}", bases, attrs)
     module.__class__ = _CLASSES[key]
 
 
@@ -370,6 +337,10 @@ def data_parallel(
                 shared.add(n)
         managed = _managed(m)
         managed._data_parallel_layouts, managed._data_parallel_shared = layouts, shared
+        managed._data_parallel_accumulators = {}
+        dp.accumulator_slots += [
+            (managed._data_parallel_accumulators, n, m._parameters[n], layouts[n]) for n in names
+        ]
         managed._data_parallel_region_layouts = {
             n: dataclasses.replace(layout, name=REGION, block=REGION)
             for n, layout in layouts.items()
@@ -386,6 +357,7 @@ def data_parallel(
     dp.gathers = Gathers(dp.reduction, [layout for _, layout in sharded.values()])
     if not hasattr(module, "_data_parallel_layouts"):  # a root without parameters of its own
         root._data_parallel_layouts, root._data_parallel_shared = {}, set()
+        root._data_parallel_accumulators = {}
         root._data_parallel_region_layouts = {}
         _swap_class(module, [], "root")
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:

@@ -1,0 +1,166 @@
+"""What ``data_parallel`` keeps on the root module: its :class:`DataParallelState`, and
+FSDP2's switches under FSDP2's names (:class:`DataParallelModule`, a base of the root's class).
+
+- ``set_requires_gradient_sync(False)`` / ``no_sync()``: backwards accumulate the unsharded
+  gradients locally and the next synced backward reduces their sum once (:mod:`.accumulation`;
+  compiled, a switch applies from the next forward).
+- ``set_is_last_backward``, ``set_reshard_after_backward``: accepted and recorded, with no
+  effect: ``data_parallel`` holds no gathered parameter across a backward and waits for its
+  reductions inside it.
+- ``reshard()`` drops the gathered parameters an eager ``reshard_after_forward=False`` forward
+  keeps for its backward; ``unshard()`` communicates nothing (a forward gathers what it reads).
+
+Each switch runs between steps: inside the root's forward it raises, before any collective. A
+switch must be set alike on every rank, as FSDP2's: a rank that reduces alone waits for the
+others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from ..hooks import allreduce_hook, reduce_scatter_hook
+from ..state import DefaultState
+from .gather import Gathers, Layout, Reduction
+
+__all__ = ["DataParallelState", "DataParallelModule", "Unsharded"]
+
+
+class DataParallelState:
+    """What ``data_parallel`` attaches to the root as ``module._data_parallel``."""
+
+    def __init__(
+        self,
+        mode: str,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy,
+        reshard: bool,
+        gather_dtype: torch.dtype | None = None,
+    ):
+        self.mode, self.mesh, self.mp_policy, self.reshard = mode, mesh, mp_policy, reshard
+        self.shard_group = None if mode == "replicate" else mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mode != "fully_shard" else None
+        hook_group = self.replicate_group if mode == "replicate" else self.shard_group
+        assert hook_group is not None, "replicate has a replicate group, the others a shard group"
+        self.reduction = Reduction(
+            self.shard_group,
+            mp_policy.param_dtype,
+            mp_policy.reduce_dtype,
+            allreduce_hook if mode == "replicate" else reduce_scatter_hook,
+            DefaultState(hook_group),
+            gather_dtype=gather_dtype,
+        )
+        if self.replicate_group is not None and mode == "hybrid_shard":
+            self.reduction.replica_hook, self.reduction.replica_state = (
+                allreduce_hook,
+                DefaultState(self.replicate_group),
+            )
+        self.comm_hook: Callable[..., Any] | None = None
+        self.comm_hook_state: Any = None
+        # Per running root forward (empty outside one, where reads give the DTensor), the shared
+        # parameters gathered so far (gathered once per forward): a dict made and dropped inside
+        # the root's forward, so Dynamo keeps no tensor of it.
+        self.gathered: list[dict[str, torch.Tensor]] = []
+        self.started = False  # a forward ran: the (compiled) reduction is fixed
+        self.traced_root = False  # the running root forward is being traced (whole-model compile)
+        # per running block region (see .regions): (id(module), name) -> its gathered parameter
+        self.region_reads: list[dict[tuple[int, str], torch.Tensor]] = []
+        # per running root forward, like gathered: block key -> the input sizes of its variants
+        self.region_sizes: list[dict[int, list[Any]]] = []
+        # reshard_after_forward=False, eager: the gathered parameters a recompute reuses
+        self.kept: dict[str, torch.Tensor] = {}
+        self.gathers: Gathers | None = None  # its parameters, as a traced root gathers them
+        # each parameter's slot for its (accumulator, marker): (the map of its module's
+        # attributes that a traced forward reads, attribute, parameter, layout)
+        self.accumulator_slots: list[tuple[dict[str, Any], str, DTensor, Layout]] = []
+        self.is_last_backward = True  # recorded only (see the module docstring)
+        self.reshard_after_backward = True  # recorded only
+
+
+class Unsharded:
+    """What ``unshard(async_op=True)`` returns: nothing to wait for."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _check_bool(value: Any, switch: str, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{switch}: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _prepare_accumulators(dp: DataParallelState) -> None:
+    """Give every parameter its accumulator and marker, in its slot."""
+    r = dp.reduction
+    for slots, attr, param, layout in dp.accumulator_slots:
+        shard = param.to_local()
+        dtype = r.hook_dtypes(r.param_dtype or shard.dtype)[0]
+        slots[attr] = r.accumulation.prepare(layout.name, layout.shape, dtype, shard.device)
+
+
+class DataParallelModule:
+    """The switches of a ``data_parallel`` root, named and called as FSDP2's ``FSDPModule``'s
+    (see the module docstring). ``recurse`` is accepted for FSDP2's signature: one root's
+    switches apply to all its blocks."""
+
+    _data_parallel: DataParallelState
+
+    def _state(self, switch: str) -> DataParallelState:
+        """The root's state, checked to be outside its forward (where a switch would split one
+        step's gradients between two modes)."""
+        if self._data_parallel.gathered:
+            raise RuntimeError(
+                f"{switch}: called inside the data_parallel module's forward; set it between "
+                "steps, before the forward whose backward it is for"
+            )
+        return self._data_parallel
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        name = "set_requires_gradient_sync"
+        dp = self._state(name)
+        sync = _check_bool(requires_gradient_sync, name, "requires_gradient_sync")
+        if not sync:
+            _prepare_accumulators(dp)
+        dp.reduction.accumulation.sync = sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's form: the backwards of the forwards inside accumulate; the first synced
+        backward after reduces the sum."""
+        dp = self._state("no_sync")
+        before = dp.reduction.accumulation.sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            dp.reduction.accumulation.sync = before
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        name = "set_is_last_backward"
+        self._state(name).is_last_backward = _check_bool(is_last_backward, name, "is_last_backward")
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        name = "set_reshard_after_backward"
+        self._state(name).reshard_after_backward = _check_bool(
+            reshard_after_backward, name, "reshard_after_backward"
+        )
+
+    def reshard(self) -> None:
+        self._state("reshard").kept.clear()
+
+    def unshard(self, async_op: bool = False) -> Unsharded | None:
+        self._state("unshard")
+        return Unsharded() if _check_bool(async_op, "unshard", "async_op") else None
+
+    def accumulated_gradient_bytes(self) -> int:
+        """The bytes the unsharded gradients accumulated so far hold (0 when synced)."""
+        dp = self._state("accumulated_gradient_bytes")
+        return dp.reduction.accumulation.pending_bytes()
