@@ -25,6 +25,7 @@ SCRIPTS = sorted(
 
 # each script's smallest configuration; None: not run here (the comment says why)
 SMOKE = {
+    "accumulation": ["--smoke"],
     "ddp_sync": None,  # link_sweep's smoke runs ddp_sync --smoke (over a shaped link)
     "fsdp_2d": ["--smoke"],
     "first_step": ["--smoke"],

@@ -48,6 +48,7 @@ from .fsdp2 import (
     FSDP_GROUPS,
     FSDPGroupLayout,
     FSDPReduceScatter,
+    fsdp_accumulated_grad,
     fsdp_all_reduce_grads,
     fsdp_group_layout,
     fsdp_group_reduce_dtypes,
@@ -90,6 +91,7 @@ __all__ = [
     "FSDPGroupLayout",
     "fsdp_is_root",
     "fsdp_param_groups",
+    "fsdp_accumulated_grad",
     "fsdp_group_reduce_dtypes",
     "fsdp_group_layout",
     "fsdp_all_reduce_grads",
@@ -101,6 +103,8 @@ SUPPORTED = ">=2.11,<2.16"  # pyproject.toml requires torch in this range (tests
 # The internals only this module reads (tests/test_compat.py scans the packages for them).
 # Not reduce_scatter_tensor: that is also the name of the functional op, which every release has.
 OWNED = (
+    "unsharded_accumulated_grad",
+    "_unsharded_param",
     "SubgraphLowering",
     "bw_donated_idxs",
     "all_gather_single",

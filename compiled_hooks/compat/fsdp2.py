@@ -18,6 +18,7 @@ __all__ = [
     "FSDPGroupLayout",
     "fsdp_is_root",
     "fsdp_param_groups",
+    "fsdp_accumulated_grad",
     "fsdp_group_reduce_dtypes",
     "fsdp_group_layout",
     "fsdp_all_reduce_grads",
@@ -43,6 +44,15 @@ def fsdp_param_groups(module: FSDPModule) -> list[Any]:
     if FSDP_GROUPS == "_fsdp_param_groups":
         return list(groups)
     return [] if groups is None else [groups]
+
+
+def fsdp_accumulated_grad(param: Any) -> torch.Tensor | None:
+    """The unsharded gradient an FSDP2 parameter (an ``FSDPParam`` of a group) holds accumulated
+    with gradient sync off: in ``reduce_dtype`` when it has one, else its unsharded ``.grad``."""
+    if param.unsharded_accumulated_grad is not None:
+        return param.unsharded_accumulated_grad
+    unsharded = getattr(param, "_unsharded_param", None)
+    return None if unsharded is None else unsharded.grad
 
 
 def fsdp_group_reduce_dtypes(group: Any) -> set[torch.dtype | None]:
