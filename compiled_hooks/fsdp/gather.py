@@ -332,4 +332,4 @@ def gather(
                 use_reentrant=False,
                 context_fn=_RESHARD if reshard else _KEEP,
             )
-        return _GatherReduce.apply(shard, layout, reduction, None)
+        return _GatherReduce.apply(shard, layout, reduction, None, *accumulate)

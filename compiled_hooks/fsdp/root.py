@@ -127,7 +127,7 @@ class DataParallelModule:
         name = "set_requires_gradient_sync"
         dp = self._state(name)
         sync = _check_bool(requires_gradient_sync, name, "requires_gradient_sync")
-        if not sync:
+        if not sync and not dp.reduction.accumulation.leaves:
             _prepare_accumulators(dp)
         dp.reduction.accumulation.sync = sync
 

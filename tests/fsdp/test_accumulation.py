@@ -129,3 +129,24 @@ def test_compiled_accumulation_matches_fsdp2_one_reduce_scatter_per_block():
     for diff, counts in run_ranks(compiled_worker, 2, timeout=900):
         assert diff <= 1e-5, diff
         assert counts == [[0, 0], [], [0, LAYERS + 1]] + [[]] * 6, counts
+
+
+def modes_worker(rank, world_size, mode):
+    """Compiled (aot_eager) against eager ``data_parallel``, both accumulating."""
+    mesh = make_mesh(mode, world_size)
+    ref, model = data_parallel(llama(), mesh, mode=mode), data_parallel(llama(), mesh, mode=mode)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+
+    def backward(step, i, tokens):
+        run(tokens).square().mean().backward()
+
+    return accumulate(ref, model, rank, backward)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["replicate", "hybrid_shard"])
+def test_compiled_accumulation_in_the_other_modes_matches_eager(mode):
+    """``replicate`` (2 ranks) and ``hybrid_shard`` (2 x 2) accumulate compiled as eager does."""
+    for diff, seen in run_ranks(modes_worker, 4 if mode == "hybrid_shard" else 2, mode):
+        assert diff <= 1e-5, diff
+        assert [held > 0 for _, held in seen] == [True, True, False] * 3, seen
