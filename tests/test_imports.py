@@ -220,6 +220,8 @@ PRIVATE_READS_ALLOWED: dict[tuple[str, str], str] = {
     ("compiled_hooks.compat", "_world"): "torch's c10d._world, read in the torch-version shims",
     ("compiled_hooks.fsdp.blocks", "_parameters"): "nn.Module._parameters: a module's own "
     "parameters without recursing, as nn.Module's own methods read them",
+    ("compiled_hooks.compat.fsdp2", "_get_fsdp_state"): "torch's FSDPModule._get_fsdp_state, "
+    "read on FSDP2 modules; fsdp.root's DataParallelStage overrides it to refuse",
 }
 
 

@@ -332,6 +332,16 @@ CASES = {
         TypeError,
         "requires_gradient_sync must be a bool, got int",
     ),
+    "data_parallel_mesh_with_pipeline_dim": (
+        lambda g: ch.fsdp.data_parallel(torch.nn.Linear(2, 2), _pp_mesh()["pp"]),
+        ValueError,
+        "includes the pipeline dimension 'pp'",
+    ),
+    "data_parallel_block_called_alone": (
+        lambda g: _native()[0](torch.ones(1, 2)),
+        RuntimeError,
+        "ran outside its root's forward",
+    ),
     "data_parallel_hook_on_non_root": (
         lambda g: ch.fsdp.register_comm_hook(_native()[0], _state(g), ch.reduce_scatter_hook),
         AssertionError,
@@ -588,6 +598,12 @@ def _switching_in_forward():
     root = ch.fsdp.data_parallel(torch.nn.Sequential(switch, torch.nn.Linear(2, 2)), _mesh())
     switch.root = weakref.ref(root)
     return root
+
+
+def _pp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("pp", "dp"))
 
 
 def _two_devices():

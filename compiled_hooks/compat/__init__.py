@@ -56,6 +56,7 @@ from .fsdp2 import (
     fsdp_param_groups,
     fsdp_take_over_all_reduce,
 )
+from .pipeline import pipeline_stage_state, root_mesh
 from .regions import region_inputs_kept, region_schemas_reused
 
 __all__ = [
@@ -87,6 +88,8 @@ __all__ = [
     "post_pass_setting",
     "region_schemas_reused",
     "region_inputs_kept",
+    "root_mesh",
+    "pipeline_stage_state",
     "FSDPReduceScatter",
     "FSDPGroupLayout",
     "fsdp_is_root",
@@ -103,6 +106,10 @@ SUPPORTED = ">=2.11,<2.16"  # pyproject.toml requires torch in this range (tests
 # The internals only this module reads (tests/test_compat.py scans the packages for them).
 # Not reduce_scatter_tensor: that is also the name of the functional op, which every release has.
 OWNED = (
+    "_get_root_mesh",
+    "STATE_KEY",
+    "_state_ctx",
+    "_root_post_backward_final_callback",
     "unsharded_accumulated_grad",
     "_unsharded_param",
     "SubgraphLowering",

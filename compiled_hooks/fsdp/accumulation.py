@@ -42,13 +42,14 @@ class Accumulate(NamedTuple):
 NOTHING = Accumulate()
 
 
-def traced(entry: tuple[torch.Tensor, torch.Tensor] | None, sync: bool) -> Accumulate:
+def traced(entry: tuple[torch.Tensor, torch.Tensor] | None, reduces: bool) -> Accumulate:
     """What a traced forward passes the gather of a parameter whose (accumulator, marker) is
-    ``entry`` (None: never prepared), read by Dynamo so that it guards on it."""
+    ``entry`` (None: never prepared), whose backward reduces if ``reduces``
+    (:attr:`Accumulation.reduces`), read by Dynamo so that it guards on both."""
     if entry is None:
         return NOTHING
     acc, marker = entry
-    if not sync:
+    if not reduces:
         return Accumulate(leaf=acc)
     if acc.grad is None:
         return NOTHING
@@ -56,12 +57,20 @@ def traced(entry: tuple[torch.Tensor, torch.Tensor] | None, sync: bool) -> Accum
 
 
 class Accumulation:
-    """The switch and the accumulated unsharded gradients of one ``data_parallel`` root, by
-    parameter (its layout's fully qualified name)."""
+    """The switches and the accumulated unsharded gradients of one ``data_parallel`` root, by
+    parameter (its layout's fully qualified name). ``sync`` is FSDP2's
+    ``requires_gradient_sync``; ``manual`` its manual backward finalization (every backward
+    accumulates, and ``finalize_backward`` reduces); ``reduces``, what both make of a backward,
+    is the one attribute a backward and a traced forward read."""
 
     def __init__(self) -> None:
-        self.sync = True
+        self.sync, self.manual, self.reduces = True, False, True
         self.leaves: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (accumulator, marker)
+
+    def switch(self, *, sync: bool | None = None, manual: bool | None = None) -> None:
+        self.sync = self.sync if sync is None else sync
+        self.manual = self.manual if manual is None else manual
+        self.reduces = self.sync and not self.manual
 
     def prepare(
         self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device

@@ -29,6 +29,11 @@ def check_arguments(
         raise ValueError(f"{name}: mode must be one of {sorted(MODES)}, got {mode!r}")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{name}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if "pp" in (mesh.mesh_dim_names or ()):
+        raise ValueError(
+            f"{name}: the mesh {mesh} includes the pipeline dimension 'pp'; pass the "
+            "data-parallel dimension, mesh['dp'] of a ('pp', 'dp') mesh"
+        )
     if mesh.ndim != MODES[mode]:
         layout = "a 2-D (replicate, shard) mesh" if mode == "hybrid_shard" else "a 1-D mesh"
         raise ValueError(f"{name}: mode {mode!r} needs {layout}, got a {mesh.ndim}-D mesh")
@@ -37,8 +42,9 @@ def check_arguments(
             f"{name}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
             f"{type(mp_policy).__name__}"
         )
-    if not isinstance(reshard, bool):
-        raise TypeError(f"{name}: reshard_after_forward must be a bool, got {reshard!r}")
+    if reshard is not None and not isinstance(reshard, bool):
+        raise TypeError(f"{name}: reshard_after_forward must be a bool or None, got {reshard!r}")
+
     if gather_dtype not in (None, torch.int8):
         raise ValueError(
             f"{name}: gather_dtype must be None (gather in mp_policy.param_dtype) or torch.int8, "

@@ -48,7 +48,6 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as fcol
 import torch.fx.traceback
-import torch.nn.functional as F
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -62,7 +61,7 @@ from ..int8.codec import BLOCK_SIZE, quantize
 from ..int8.collectives import all_gather_quantized
 from ..state import DefaultState, LowPrecisionState
 from .accumulation import NOTHING, Accumulate
-from .layout import Layout, TensorParallel
+from .layout import Layout, TensorParallel, pad_rows
 from .reduction import Reduction
 
 __all__ = [
@@ -70,6 +69,7 @@ __all__ = [
     "TensorParallel",
     "Reduction",
     "Gathers",
+    "stateless",
     "traceable",
     "gather",
     "gather_traced",
@@ -79,13 +79,6 @@ __all__ = [
 
 # Elements per fp32 scale of an int8 weight gather.
 INT8_BLOCK_SIZE = BLOCK_SIZE
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    missing = rows - t.shape[0]
-    if missing == 0:
-        return t
-    return F.pad(t, [0, 0] * (t.dim() - 1) + [0, missing])
 
 
 class _GatherReduce(torch.autograd.Function):
@@ -110,7 +103,7 @@ class _GatherReduce(torch.autograd.Function):
             return gathered.detach()
         dtype = reduction.param_dtype or shard.dtype
         if reduction.gather_dtype == torch.int8:  # data_parallel refuses it for replicate
-            padded = _pad_rows(shard, layout.rows)
+            padded = pad_rows(shard, layout.rows)
             q, scales = quantize(padded.reshape(1, -1), INT8_BLOCK_SIZE)
             # dequantizing reads the gathered bytes, so eager waits here
             full = all_gather_quantized(q, scales, padded.numel(), reduction.shard_group)
@@ -118,7 +111,7 @@ class _GatherReduce(torch.autograd.Function):
         x = shard if dtype == shard.dtype else shard.to(dtype)
         if reduction.shard_group is None:
             return x.view_as(x) if x is shard else x
-        full = compat.all_gather_single(_pad_rows(x, layout.rows), 0, reduction.shard_group)
+        full = compat.all_gather_single(pad_rows(x, layout.rows), 0, reduction.shard_group)
         if not (torch.compiler.is_compiling() or compat.fake_mode(full) is not None):
             # Eager: wait now (a slice of an AsyncCollectiveTensor does not), so that one
             # all-gather at a time is in flight: several corrupt the heap on gloo (see
@@ -138,7 +131,7 @@ class _GatherReduce(torch.autograd.Function):
         pending = None
         if ctx.traced:
             pending = ctx.saved_tensors[0] if ctx.pending else None
-        elif r.accumulation.sync:
+        elif r.accumulation.reduces:
             pending = r.accumulation.take(layout.name)
         else:
             r.accumulation.add(layout.name, g)
@@ -153,7 +146,7 @@ class _GatherReduce(torch.autograd.Function):
             r.hook(r.state, g, **key)
             return g.to(ctx.dtype), None, None, None, None, None, marker
         grad_shape, out_shape = r.hook_shapes(layout)
-        g = _pad_rows(g, grad_shape[0]).contiguous()
+        g = pad_rows(g, grad_shape[0]).contiguous()
         out = g.new_empty(out_shape, dtype=out_dtype)
         r.hook(r.state, g, out, **key)
         if r.replica_hook is not None:
@@ -196,20 +189,22 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(_DropCheckpointNotic
 _STATELESS_HOOKS = (allreduce_hook, reduce_scatter_hook, fp16_compress_hook, bf16_compress_hook)
 
 
+def stateless(reduction: Reduction) -> bool:
+    """Whether every hook is a default one on its own state, which holds no tensor and nothing
+    per parameter: one call may reduce several parameters' gradients, flattened together."""
+    hooks = [(reduction.hook, reduction.state), (reduction.replica_hook, reduction.replica_state)]
+    return not reduction.per_parameter and all(
+        hook is None
+        or (hook in _STATELESS_HOOKS and type(state) in (DefaultState, LowPrecisionState))
+        for hook, state in hooks
+    )
+
+
 def traceable(reduction: Reduction) -> bool:
     """Whether a traced root may gather through :data:`GATHER_OP`: the parameters are sharded and
-    every hook is a default one on its own state, which holds no tensor. AOTAutograd traces the
-    op's kernel below Dynamo, where a tensor a hook keeps would be a constant of the graph."""
-    hooks = [(reduction.hook, reduction.state), (reduction.replica_hook, reduction.replica_state)]
-    return (
-        reduction.shard_group is not None
-        and not reduction.per_parameter
-        and all(
-            hook is None
-            or (hook in _STATELESS_HOOKS and type(state) in (DefaultState, LowPrecisionState))
-            for hook, state in hooks
-        )
-    )
+    the hooks :func:`stateless`. AOTAutograd traces the op's kernel below Dynamo, where a tensor
+    a hook keeps would be a constant of the graph."""
+    return reduction.shard_group is not None and stateless(reduction)
 
 
 class Gathers:

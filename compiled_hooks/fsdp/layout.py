@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
-__all__ = ["Layout", "TensorParallel"]
+__all__ = ["Layout", "TensorParallel", "pad_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,3 +38,11 @@ class Layout:
     local_rows: int
     block: str
     tensor_parallel: TensorParallel | None = None
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (``t`` itself when it has them)."""
+    missing = rows - t.shape[0]
+    if missing == 0:
+        return t
+    return F.pad(t, [0, 0] * (t.dim() - 1) + [0, missing])

@@ -49,11 +49,12 @@ from . import accumulation, regions
 from .arguments import MODES, check_arguments
 from .blocks import default_blocks, warn_no_blocks
 from .gather import Gathers, Layout, gather, gather_traced, traceable
-from .root import DataParallelModule, DataParallelState
+from .root import DataParallelModule, DataParallelStage, DataParallelState, as_pipeline_stage
 from .sharding import shard_parameter
 
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
 
+PIPELINE_DIM = "pp"  # the mesh dimension name of pipeline parallelism (torchtitan's)
 REGION = "<compiled region>"  # the names in the layouts of a frame compiled on its own
 _CLASSES: dict[tuple[type, frozenset, str], type] = {}
 
@@ -145,8 +146,8 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
 
 def _accumulate(module: _Managed, name: str) -> accumulation.Accumulate:
     """What a traced forward fixes of the accumulation of ``module.<name>``'s gradient."""
-    sync = module._data_parallel_root.reduction.accumulation.sync
-    return accumulation.traced(module._data_parallel_accumulators.get(name), sync)
+    reduces = module._data_parallel_root.reduction.accumulation.reduces
+    return accumulation.traced(module._data_parallel_accumulators.get(name), reduces)
 
 
 def _as_read(full: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -203,6 +204,12 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     :func:`.gather.gather_traced`) and its own forward run as a region on them; else its own."""
     block = _managed(self)
     dp, plan = block._data_parallel_root, block._data_parallel_block
+    if not dp.gathered and not compat.in_backward():  # a recompute runs in backward
+        raise RuntimeError(
+            f"data_parallel: block {type(self).__name__} ran outside its root's forward, where "
+            "its parameters are shards; call the root (under pipeline parallelism, apply "
+            "data_parallel to each stage module and pass it to PipelineStage)"
+        )
     traced = blocks_compile_once() and torch.compiler.is_compiling() and dp.traced_root
     if not traced or plan.tensor_parallel:
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
@@ -254,14 +261,16 @@ def _parameter_property(name: str) -> property:
 def _swap_class(module: nn.Module, names: Iterable[str], role: str = "") -> None:
     """Give ``module`` a subclass whose parameter attributes read through
     :func:`_read_parameter` and whose forward is :func:`_root_forward` for the ``"root"`` and
-    :func:`_block_forward` for a ``"block"`` (one subclass per original class,
-    parameter names and role)."""
+    :func:`_block_forward` for a ``"block"``, deriving from :class:`.root.DataParallelModule`
+    for the ``"root"``, :class:`.root.DataParallelStage` for a ``"stage"`` root (one subclass
+    per original class, parameter names and role)."""
     key = (type(module), frozenset(names), role)
     if key not in _CLASSES:
         attrs: dict[str, Any] = {n: _parameter_property(n) for n in key[1]}
         if role:
-            attrs["forward"] = _root_forward if role == "root" else _block_forward
-        bases = (DataParallelModule, type(module)) if role == "root" else (type(module),)
+            attrs["forward"] = _block_forward if role == "block" else _root_forward
+        roots = {"root": DataParallelModule, "stage": DataParallelStage}
+        bases = (roots[role], type(module)) if role in roots else (type(module),)
         _CLASSES[key] = type(f"DataParallel{type(module).__name__}", bases, attrs)
     module.__class__ = _CLASSES[key]
 
@@ -282,7 +291,7 @@ def data_parallel(
     *,
     mode: str = "fully_shard",
     mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     blocks: Iterable[nn.Module] | None = None,
     gather_dtype: torch.dtype | None = None,
 ) -> nn.Module:
@@ -295,8 +304,17 @@ def data_parallel(
     use; each value within ``absmax / 254`` of its block, the gradient passed to the shard as is.
     None (default): gather in ``param_dtype``. No communication happens here: every rank must
     hold the same initial parameters, as FSDP2 assumes.
+
+    Pipeline parallelism: where ``mesh`` is a sibling of a ``"pp"`` dimension of its root mesh,
+    the module is a pipeline stage (:class:`.root.DataParallelStage`, which torch's
+    ``PipelineStage`` drives as an FSDP2 stage: its backwards accumulate, and the schedule's
+    gradient reduction reduces once per step), and ``reshard_after_forward`` defaults to False,
+    as torchtitan's under PP (True otherwise).
     """
     check_arguments(module, mesh, mode, mp_policy, reshard_after_forward, gather_dtype)
+    stage = PIPELINE_DIM in (compat.root_mesh(mesh).mesh_dim_names or ())
+    if reshard_after_forward is None:
+        reshard_after_forward = not stage
     mp_policy = mp_policy or MixedPrecisionPolicy()
     paths = {m: p for p, m in module.named_modules()}
     if blocks is None:
@@ -345,7 +363,8 @@ def data_parallel(
             n: dataclasses.replace(layout, name=REGION, block=REGION)
             for n, layout in layouts.items()
         }
-        _swap_class(m, names, "root" if m is module else "block" if m in blocks_ else "")
+        role = ("stage" if stage else "root") if m is module else "block" if m in blocks_ else ""
+        _swap_class(m, names, role)
     for m in blocks_:
         if not hasattr(m, "_data_parallel_layouts"):  # a block without parameters of its own
             _swap_class(m, [], "block")
@@ -359,7 +378,9 @@ def data_parallel(
         root._data_parallel_layouts, root._data_parallel_shared = {}, set()
         root._data_parallel_accumulators = {}
         root._data_parallel_region_layouts = {}
-        _swap_class(module, [], "root")
+        _swap_class(module, [], "stage" if stage else "root")
+    if stage:
+        as_pipeline_stage(module, dp)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         for m in [module, *block_map.values()]:
             m.register_forward_pre_hook(_cast_inputs(mp_policy.param_dtype), with_kwargs=True)

@@ -18,19 +18,29 @@ others.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle
 from torch.distributed.tensor import DTensor
 
+from .. import compat
 from ..hooks import allreduce_hook, reduce_scatter_hook
 from ..state import DefaultState
+from .finalize import reduce_accumulated
 from .gather import Gathers, Layout, Reduction
 
-__all__ = ["DataParallelState", "DataParallelModule", "Unsharded"]
+__all__ = [
+    "DataParallelState",
+    "DataParallelModule",
+    "DataParallelStage",
+    "Completed",
+    "as_pipeline_stage",
+]
 
 
 class DataParallelState:
@@ -84,8 +94,9 @@ class DataParallelState:
         self.reshard_after_backward = True  # recorded only
 
 
-class Unsharded:
-    """What ``unshard(async_op=True)`` returns: nothing to wait for."""
+class Completed(UnshardHandle):
+    """What ``unshard(async_op=True)`` and ``finalize_backward(async_op=True)`` return: a
+    handle with nothing left to wait for."""
 
     def wait(self) -> None:
         return None
@@ -129,7 +140,7 @@ class DataParallelModule:
         sync = _check_bool(requires_gradient_sync, name, "requires_gradient_sync")
         if not sync and not dp.reduction.accumulation.leaves:
             _prepare_accumulators(dp)
-        dp.reduction.accumulation.sync = sync
+        dp.reduction.accumulation.switch(sync=sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -141,7 +152,7 @@ class DataParallelModule:
         try:
             yield
         finally:
-            dp.reduction.accumulation.sync = before
+            dp.reduction.accumulation.switch(sync=before)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         name = "set_is_last_backward"
@@ -156,11 +167,68 @@ class DataParallelModule:
     def reshard(self) -> None:
         self._state("reshard").kept.clear()
 
-    def unshard(self, async_op: bool = False) -> Unsharded | None:
+    def unshard(self, async_op: bool = False) -> Completed | None:
         self._state("unshard")
-        return Unsharded() if _check_bool(async_op, "unshard", "async_op") else None
+        return Completed() if _check_bool(async_op, "unshard", "async_op") else None
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """FSDP2's (torch 2.15): while enabled, every backward accumulates and
+        :meth:`finalize_backward` reduces (compiled: from the next forward)."""
+        name = "set_manual_backward_finalization"
+        dp = self._state(name)
+        manual = _check_bool(enabled, name, "enabled")
+        if manual and not dp.reduction.accumulation.leaves:
+            _prepare_accumulators(dp)
+        dp.reduction.accumulation.switch(manual=manual)
+
+    def finalize_backward(self, *, async_op: bool = False) -> Completed | None:
+        """Reduce what the backwards accumulated, one collective per block, into the shards'
+        ``.grad`` (:mod:`.finalize`), if gradient sync is on; it is kept otherwise."""
+        dp = self._state("finalize_backward")
+        if dp.reduction.accumulation.sync:
+            reduce_accumulated(dp.accumulator_slots, dp.reduction)
+        return Completed() if _check_bool(async_op, "finalize_backward", "async_op") else None
 
     def accumulated_gradient_bytes(self) -> int:
         """The bytes the unsharded gradients accumulated so far hold (0 when synced)."""
         dp = self._state("accumulated_gradient_bytes")
         return dp.reduction.accumulation.pending_bytes()
+
+
+class DataParallelStage(DataParallelModule, FSDPModule):
+    """A ``data_parallel`` root whose mesh is a sibling of a ``"pp"`` dimension: an
+    ``FSDPModule`` too, the type through which torch's ``PipelineStage`` and schedules drive a
+    stage's switches (:func:`as_pipeline_stage`). Its FSDP2 methods are
+    :class:`DataParallelModule`'s; those it has not refuse with ``NotImplementedError``."""
+
+    # where FSDPModule.__new__ finds the module's own class in the MRO of the class
+    # data_parallel makes: (that class, DataParallelStage, DataParallelModule, FSDPModule, it)
+    _orig_cls_mro_index = 4
+
+    def _get_fsdp_state(self) -> Any:
+        raise NotImplementedError(
+            "a data_parallel module has no FSDP2 state: of FSDPModule's methods it has "
+            "set_requires_gradient_sync, set_is_last_backward, set_reshard_after_backward, "
+            "set_manual_backward_finalization, finalize_backward, reshard and unshard"
+        )
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # the module's own, not FSDP2's, which reads an FSDP2 state
+        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+
+
+def as_pipeline_stage(module: nn.Module, dp: DataParallelState) -> None:
+    """Set up a :class:`DataParallelStage` root: every backward accumulates (manual backward
+    finalization, which torch 2.15's ``PipelineStage`` also sets before each forward), and torch
+    2.11 and 2.13's ``PipelineStage``, which finalize an FSDP2 stage through its composable
+    state, find one that runs ``finalize_backward``."""
+    _prepare_accumulators(dp)
+    dp.reduction.accumulation.switch(manual=True)
+    stage = weakref.ref(module)
+
+    def finalize() -> None:
+        root = stage()
+        if root is not None:
+            root.finalize_backward()  # type: ignore[operator]
+
+    compat.pipeline_stage_state(module, finalize)
