@@ -36,6 +36,7 @@ SMOKE = {
     "int8_step_cpu": ["--smoke"],
     # one rate, ddp_sync --smoke, the projection beside it
     "link_sweep": ["--smoke", "--benchmarks", "ddp_sync", "--send-ns", "2", "--receive-ns", "1"],
+    "pipeline": ["--smoke"],
     "pass_time": ["--calls", "20", "40", "--repeat", "1"],
     "powersgd": ["--smoke"],
     "projection": ["--params", "1e9", "--send-ns", "0.02", "--receive-ns", "0.01"],
