@@ -1,9 +1,10 @@
 """Gradient accumulation without a reduction per micro-batch, for a ``data_parallel`` root
 (FSDP2's ``set_requires_gradient_sync(False)``, DDP's ``no_sync()``).
 
-While sync is off, a backward keeps each parameter's unsharded gradient, cast to the dtype the
-comm hook takes, as the ``.grad`` of a leaf this module owns (its *accumulator*); the next
-synced backward adds that sum to its own gradient and reduces once::
+While sync is off (or backward finalization is manual: :mod:`.finalize` reduces then), a
+backward keeps each parameter's unsharded gradient, cast to the dtype the comm hook takes, as
+the ``.grad`` of a leaf this module owns (its *accumulator*); the next synced backward adds that
+sum to its own gradient and reduces once::
 
     sync off:  acc.grad += grad.to(in_dtype)                 # no collective
     sync on:   hook(state, pad(grad.to(in_dtype) + acc.grad), out); acc.grad = None
