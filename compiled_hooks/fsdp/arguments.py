@@ -13,9 +13,10 @@ from torch.distributed.tensor import DTensor
 
 from .sharding import check_tensor_parallel
 
-__all__ = ["check_arguments", "MODES"]
+__all__ = ["check_arguments", "MODES", "PIPELINE_DIM"]
 
 MODES = {"fully_shard": 1, "replicate": 1, "hybrid_shard": 2}  # mode -> mesh dimensions
+PIPELINE_DIM = "pp"  # the mesh dimension name of pipeline parallelism (torchtitan's)
 
 
 def check_arguments(
@@ -29,10 +30,10 @@ def check_arguments(
         raise ValueError(f"{name}: mode must be one of {sorted(MODES)}, got {mode!r}")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{name}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if "pp" in (mesh.mesh_dim_names or ()):
+    if PIPELINE_DIM in (mesh.mesh_dim_names or ()):
         raise ValueError(
-            f"{name}: the mesh {mesh} includes the pipeline dimension 'pp'; pass the "
-            "data-parallel dimension, mesh['dp'] of a ('pp', 'dp') mesh"
+            f"{name}: the mesh {mesh} includes the pipeline dimension {PIPELINE_DIM!r}; pass "
+            f"the data-parallel dimension, mesh['dp'] of a ({PIPELINE_DIM!r}, 'dp') mesh"
         )
     if mesh.ndim != MODES[mode]:
         layout = "a 2-D (replicate, shard) mesh" if mode == "hybrid_shard" else "a 1-D mesh"

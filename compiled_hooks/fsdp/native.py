@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .. import compat
 from ..graph_contract import blocks_compile_once
 from . import accumulation, regions
-from .arguments import MODES, check_arguments
+from .arguments import MODES, PIPELINE_DIM, check_arguments
 from .blocks import default_blocks, warn_no_blocks
 from .gather import Gathers, Layout, gather, gather_traced, traceable
 from .root import DataParallelModule, DataParallelStage, DataParallelState, as_pipeline_stage
@@ -54,7 +54,6 @@ from .sharding import shard_parameter
 
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
 
-PIPELINE_DIM = "pp"  # the mesh dimension name of pipeline parallelism (torchtitan's)
 REGION = "<compiled region>"  # the names in the layouts of a frame compiled on its own
 _CLASSES: dict[tuple[type, frozenset, str], type] = {}
 
@@ -260,10 +259,10 @@ def _parameter_property(name: str) -> property:
 
 def _swap_class(module: nn.Module, names: Iterable[str], role: str = "") -> None:
     """Give ``module`` a subclass whose parameter attributes read through
-    :func:`_read_parameter` and whose forward is :func:`_root_forward` for the ``"root"`` and
-    :func:`_block_forward` for a ``"block"``, deriving from :class:`.root.DataParallelModule`
-    for the ``"root"``, :class:`.root.DataParallelStage` for a ``"stage"`` root (one subclass
-    per original class, parameter names and role)."""
+    :func:`_read_parameter`: for the ``"root"`` (a :class:`.root.DataParallelModule`) and a
+    ``"stage"`` root (a :class:`.root.DataParallelStage`) with :func:`_root_forward` as its
+    forward, for a ``"block"`` with :func:`_block_forward` (one subclass per original class,
+    parameter names and role)."""
     key = (type(module), frozenset(names), role)
     if key not in _CLASSES:
         attrs: dict[str, Any] = {n: _parameter_property(n) for n in key[1]}
