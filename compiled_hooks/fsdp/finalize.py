@@ -18,9 +18,10 @@ on every rank.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .gather import stateless
@@ -31,18 +32,19 @@ __all__ = ["reduce_accumulated"]
 
 
 def reduce_accumulated(
-    slots: Iterable[tuple[Any, str, DTensor, Layout]], reduction: Reduction
+    slots: Iterable[tuple[Any, nn.Module, str, Layout]], reduction: Reduction
 ) -> None:
     """Reduce every gradient ``reduction`` holds accumulated for the parameters of ``slots``
     (``DataParallelState.accumulator_slots``) into their ``.grad``, and drop it."""
     blocks: dict[str, list[tuple[DTensor, Layout, torch.Tensor]]] = {}
     seen: set[str] = set()
-    for _, _, param, layout in slots:
+    for _, module, attr, layout in slots:
         if layout.name in seen:  # a parameter of several modules: one slot each
             continue
         seen.add(layout.name)
         pending = reduction.accumulation.take(layout.name)
         if pending is not None:
+            param = cast(DTensor, module.get_parameter(attr))
             blocks.setdefault(layout.block, []).append((param, layout, pending))
     together = stateless(reduction)
     for members in blocks.values():

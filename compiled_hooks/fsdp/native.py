@@ -356,7 +356,7 @@ def data_parallel(
         managed._data_parallel_layouts, managed._data_parallel_shared = layouts, shared
         managed._data_parallel_accumulators = {}
         dp.accumulator_slots += [
-            (managed._data_parallel_accumulators, n, m._parameters[n], layouts[n]) for n in names
+            (managed._data_parallel_accumulators, m, n, layouts[n]) for n in names
         ]
         managed._data_parallel_region_layouts = {
             n: dataclasses.replace(layout, name=REGION, block=REGION)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -88,8 +88,8 @@ class DataParallelState:
         self.kept: dict[str, torch.Tensor] = {}
         self.gathers: Gathers | None = None  # its parameters, as a traced root gathers them
         # each parameter's slot for its (accumulator, marker): (the map of its module's
-        # attributes that a traced forward reads, attribute, parameter, layout)
-        self.accumulator_slots: list[tuple[dict[str, Any], str, DTensor, Layout]] = []
+        # attributes that a traced forward reads, the module, the attribute, its layout)
+        self.accumulator_slots: list[tuple[dict[str, Any], nn.Module, str, Layout]] = []
         self.is_last_backward = True  # recorded only (see the module docstring)
         self.reshard_after_backward = True  # recorded only
 
@@ -111,8 +111,8 @@ def _check_bool(value: Any, switch: str, name: str) -> bool:
 def _prepare_accumulators(dp: DataParallelState) -> None:
     """Give every parameter its accumulator and marker, in its slot."""
     r = dp.reduction
-    for slots, attr, param, layout in dp.accumulator_slots:
-        shard = param.to_local()
+    for slots, module, attr, layout in dp.accumulator_slots:
+        shard = cast(DTensor, module.get_parameter(attr)).to_local()
         dtype = r.hook_dtypes(r.param_dtype or shard.dtype)[0]
         slots[attr] = r.accumulation.prepare(layout.name, layout.shape, dtype, shard.device)
 
@@ -189,6 +189,23 @@ class DataParallelModule:
             reduce_accumulated(dp.accumulator_slots, dp.reduction)
         return Completed() if _check_bool(async_op, "finalize_backward", "async_op") else None
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own ``_apply`` (a stage's skips ``FSDPModule``'s, which reads an FSDP2
+        state), then its accumulators made again where its parameters now are (from ``meta``
+        after ``to_empty``, say)."""
+        acc = self._data_parallel.reduction.accumulation
+        if acc.pending_bytes():
+            raise RuntimeError(
+                "data_parallel: the module holds accumulated gradients; reduce them (a synced "
+                "backward, or finalize_backward()) before moving it"
+            )
+        skip = FSDPModule if isinstance(self, FSDPModule) else DataParallelModule
+        result = super(skip, self)._apply(*args, **kwargs)  # type: ignore[arg-type]
+        if acc.leaves:
+            acc.leaves.clear()
+            _prepare_accumulators(self._data_parallel)
+        return result
+
     def accumulated_gradient_bytes(self) -> int:
         """The bytes the unsharded gradients accumulated so far hold (0 when synced)."""
         dp = self._state("accumulated_gradient_bytes")
@@ -211,10 +228,6 @@ class DataParallelStage(DataParallelModule, FSDPModule):
             "set_requires_gradient_sync, set_is_last_backward, set_reshard_after_backward, "
             "set_manual_backward_finalization, finalize_backward, reshard and unshard"
         )
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # the module's own, not FSDP2's, which reads an FSDP2 state
-        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
 
 
 def as_pipeline_stage(module: nn.Module, dp: DataParallelState) -> None:

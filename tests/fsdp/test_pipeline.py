@@ -213,3 +213,22 @@ def test_dcp_checkpoints_of_stages_load_both_ways_bitwise(saver, loader):
     with tempfile.TemporaryDirectory() as path:
         for same, keys in run_ranks(checkpoint_worker, 4, saver, loader, os.path.join(path, "c")):
             assert same and keys == ["0.0.bias", "0.0.weight", "1.0.bias", "1.0.weight"], keys
+
+
+def test_a_stage_moved_remakes_its_accumulators_like_its_parameters():
+    """A stage makes its accumulators when it is built; ``.to()`` makes them again like the
+    parameters (here in float64), and refuses while a sum is held."""
+    from passes.testing import fake_process_group
+
+    fake_process_group(4)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    stage = data_parallel(module, pp_dp_mesh()["dp"], blocks=list(module))
+    leaves = stage._data_parallel.reduction.accumulation.leaves
+    assert {acc.dtype for acc, _ in leaves.values()} == {torch.float32}
+    stage.to(torch.float64)
+    assert {acc.dtype for acc, _ in leaves.values()} == {torch.float64}
+    read = stage[0]._data_parallel_accumulators  # what a traced forward reads: the new ones
+    assert all(read[n][0] is leaves[f"0.{n}"][0] for n in ("weight", "bias"))
+    leaves["0.weight"][0].grad = torch.zeros(4, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="holds accumulated gradients"):
+        stage.to(torch.float32)
