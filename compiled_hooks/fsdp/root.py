@@ -9,6 +9,9 @@ FSDP2's switches under FSDP2's names (:class:`DataParallelModule`, a base of the
   reductions inside it.
 - ``reshard()`` drops the gathered parameters an eager ``reshard_after_forward=False`` forward
   keeps for its backward; ``unshard()`` communicates nothing (a forward gathers what it reads).
+- ``set_manual_backward_finalization(True)`` (torch 2.15's FSDP2 name): every backward
+  accumulates, and ``finalize_backward()`` reduces the sum, one collective per block
+  (:mod:`.finalize`). A pipeline stage (:class:`DataParallelStage`) starts in this mode.
 
 Each switch runs between steps: inside the root's forward it raises, before any collective. A
 switch must be set alike on every rank, as FSDP2's: a rank that reduces alone waits for the
@@ -191,8 +194,8 @@ class DataParallelModule:
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own ``_apply`` (a stage's skips ``FSDPModule``'s, which reads an FSDP2
-        state), then its accumulators made again where its parameters now are (from ``meta``
-        after ``to_empty``, say)."""
+        state), then its accumulators made again like its parameters now are (after
+        ``.to(torch.float64)``, say)."""
         acc = self._data_parallel.reduction.accumulation
         if acc.pending_bytes():
             raise RuntimeError(
