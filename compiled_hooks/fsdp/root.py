@@ -4,7 +4,7 @@ FSDP2's switches under FSDP2's names (:class:`DataParallelModule`, a base of the
 - ``set_requires_gradient_sync(False)`` / ``no_sync()``: backwards accumulate the unsharded
   gradients locally and the next synced backward reduces their sum once (:mod:`.accumulation`;
   compiled, a switch applies from the next forward).
-- ``set_is_last_backward``, ``set_reshard_after_backward``: accepted and recorded, with no
+- ``set_is_last_backward``, ``set_reshard_after_backward``: accepted (checked), with no
   effect: ``data_parallel`` holds no gathered parameter across a backward and waits for its
   reductions inside it.
 - ``reshard()`` drops the gathered parameters an eager ``reshard_after_forward=False`` forward
@@ -93,8 +93,6 @@ class DataParallelState:
         # each parameter's slot for its (accumulator, marker): (the map of its module's
         # attributes that a traced forward reads, the module, the attribute, its layout)
         self.accumulator_slots: list[tuple[dict[str, Any], nn.Module, str, Layout]] = []
-        self.is_last_backward = True  # recorded only (see the module docstring)
-        self.reshard_after_backward = True  # recorded only
 
 
 class Completed(UnshardHandle):
@@ -159,13 +157,13 @@ class DataParallelModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         name = "set_is_last_backward"
-        self._state(name).is_last_backward = _check_bool(is_last_backward, name, "is_last_backward")
+        self._state(name)
+        _check_bool(is_last_backward, name, "is_last_backward")
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         name = "set_reshard_after_backward"
-        self._state(name).reshard_after_backward = _check_bool(
-            reshard_after_backward, name, "reshard_after_backward"
-        )
+        self._state(name)
+        _check_bool(reshard_after_backward, name, "reshard_after_backward")
 
     def reshard(self) -> None:
         self._state("reshard").kept.clear()
