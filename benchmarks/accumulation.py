@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from launch import (
     apply_smoke,
     chosen_configs,
     describe_link,
+    interleaved_median_ms,
     launch,
 )
 
@@ -69,9 +69,9 @@ def fsdp2_held_bytes(model: torch.nn.Module) -> int:
     return held
 
 
-def build(config: str, tag: int, model_name: str) -> tuple[Callable[[], int], torch.nn.Module]:
-    """(step, model): ``step()`` runs the micro-batches and returns the bytes held before the
-    last one's backward."""
+def build(config: str, tag: int, model_name: str) -> Callable[[], int]:
+    """``config``'s step: it runs the micro-batches and returns the bytes held before the last
+    one's backward."""
     model, blocks, x = make_model(model_name, tag)
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     switch = config.endswith("set_requires_gradient_sync")
@@ -99,21 +99,16 @@ def build(config: str, tag: int, model_name: str) -> tuple[Callable[[], int], to
         model.zero_grad()
         return seen
 
-    return step, model
+    return step
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     configs = chosen_configs(args, CONFIGS, SMOKE)
     with passes.install():
-        steps = {c: build(c, i, args.model)[0] for i, c in enumerate(configs)}
+        steps = {c: build(c, i, args.model) for i, c in enumerate(configs)}
         held = {c: step() for c, step in steps.items()}  # compile, and the bytes held
         traffic = {c: record_collectives(step, world_size) or [] for c, step in steps.items()}
-        times: dict[str, list[float]] = {c: [] for c in configs}
-        for _ in range(args.steps):
-            for c, step in steps.items():
-                t0 = time.perf_counter()
-                step()
-                times[c].append(time.perf_counter() - t0)
+        medians = interleaved_median_ms(steps, args.steps)
     if rank:
         return True
     title = (
@@ -130,11 +125,11 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     rows = []
     for c in configs:
         peer = c.split(",")[0] + ", reduce each micro-batch"
-        ms = 1e3 * statistics.median(times[c])
+        ms = medians[c]
         row = {
             "config": c,
             "median_ms": ms,
-            "vs_peer": ms / (1e3 * statistics.median(times[peer])) if peer in times else None,
+            "vs_peer": ms / medians[peer] if peer in medians else None,
             "collectives": len(traffic[c]),
             "mb": sum(call[3] for call in traffic[c]) / 1e6,
             "held_mb": held[c] / 1e6,

@@ -77,6 +77,18 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
+def interleaved_median_ms(steps: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median wall time of each of ``steps``, run one of each in turn for ``rounds`` rounds (the
+    configurations of a benchmark side by side, as the machine drifts)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def add_link_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--link",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +32,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import results
 from achievable import record_collectives
-from launch import add_configs_argument, add_smoke_argument, apply_smoke, chosen_configs, launch
+from launch import (
+    add_configs_argument,
+    add_smoke_argument,
+    apply_smoke,
+    chosen_configs,
+    interleaved_median_ms,
+    launch,
+)
 
 import passes
 from compiled_hooks.fsdp import data_parallel
@@ -102,12 +108,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
         for step in steps.values():  # compile
             step()
         counted = {c: traffic(step, world_size // 2) for c, step in steps.items()}
-        times: dict[str, list[float]] = {c: [] for c in configs}
-        for _ in range(args.steps):
-            for c, step in steps.items():
-                t0 = time.perf_counter()
-                step()
-                times[c].append(time.perf_counter() - t0)
+        medians = interleaved_median_ms(steps, args.steps)
     if rank:
         return True
     title = (
@@ -119,12 +120,12 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     print(title + "\n")
     print("| config | step (ms) | vs FSDP2 + PP eager | dp collectives | dp MB | pp sends/recvs |")
     print("|---|---:|---:|---:|---:|---:|")
-    base = statistics.median(times[CONFIGS[0]])
+    base = medians[CONFIGS[0]]
     rows = []
     for c in configs:
-        ms = 1e3 * statistics.median(times[c])
+        ms = medians[c]
         dp_calls, dp_mb, pp_calls = counted[c]
-        vs = ms / (1e3 * base)
+        vs = ms / base
         rows.append(
             dict(
                 config=c,

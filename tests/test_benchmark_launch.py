@@ -82,3 +82,22 @@ def test_chosen_configs_keep_what_the_report_needs_in_order(argv, chosen):
     )
     with pytest.raises(SystemExit):
         parser.parse_args(["--configs", "e"])
+
+
+def test_interleaved_median_ms_runs_one_of_each_in_turn(monkeypatch):
+    """Round by round, each step once in order; each median from its own runs (a fake clock
+    that advances by the step's own duration)."""
+    clock, order = [0.0], []
+
+    def step(name, seconds):
+        def run():
+            order.append(name)
+            clock[0] += seconds.pop(0)
+
+        return run
+
+    monkeypatch.setattr(launch.time, "perf_counter", lambda: clock[0])
+    steps = {"a": step("a", [0.001, 0.003, 0.002]), "b": step("b", [0.010, 0.030, 0.020])}
+    medians = launch.interleaved_median_ms(steps, 3)
+    assert order == ["a", "b"] * 3
+    assert medians == pytest.approx({"a": 2.0, "b": 20.0})
