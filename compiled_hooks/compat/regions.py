@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,15 +45,30 @@ def region_schemas_reused() -> Iterator[None]:
     mutated: for identical blocks, the same trace once per block, in Dynamo and in
     AOTAutograd."""
     hop = type(_invoke_subgraph)
-    if not _REUSING[0]:
+
+    def reuse() -> None:
         hop.gen_schema = _reused_gen_schema  # type: ignore[method-assign]
-    _REUSING[0] += 1
+
+    def restore() -> None:
+        hop.gen_schema = _GEN_SCHEMA  # type: ignore[method-assign]
+
+    with _while_open(_REUSING, reuse, restore):
+        yield
+
+
+@contextlib.contextmanager
+def _while_open(opened: list[int], patch: Callable[[], None], restore: Callable[[], None]):
+    """``patch()`` on entering the first of nested contexts counted by ``opened``,
+    ``restore()`` on leaving the last."""
+    if not opened[0]:
+        patch()
+    opened[0] += 1
     try:
         yield
     finally:
-        _REUSING[0] -= 1
-        if not _REUSING[0]:
-            hop.gen_schema = _GEN_SCHEMA  # type: ignore[method-assign]
+        opened[0] -= 1
+        if not opened[0]:
+            restore()
 
 
 _KEEPING = [0]  # how many region_inputs_kept() are open
@@ -68,19 +83,18 @@ def region_inputs_kept() -> Iterator[None]:
     reuses, and the gradients come out wrong (pytorch/pytorch#193960, fixed in 2.15)."""
     from torch._inductor.graph import SubgraphLowering
 
-    if not _KEEPING[0]:
+    def keep() -> None:
         init = SubgraphLowering.__init__
-        _LOWERING_INIT.append(init)
+        _LOWERING_INIT.append(init)  # the one in place when the first context opened
 
         def kept_init(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
             self.bw_donated_idxs = None
 
         SubgraphLowering.__init__ = kept_init  # type: ignore[method-assign]
-    _KEEPING[0] += 1
-    try:
+
+    def restore() -> None:
+        SubgraphLowering.__init__ = _LOWERING_INIT.pop()  # type: ignore[method-assign]
+
+    with _while_open(_KEEPING, keep, restore):
         yield
-    finally:
-        _KEEPING[0] -= 1
-        if not _KEEPING[0]:
-            SubgraphLowering.__init__ = _LOWERING_INIT.pop()  # type: ignore[method-assign]
