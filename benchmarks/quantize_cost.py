@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import results
 from train_ddp import synchronize
 
-from compiled_hooks import ops
+from compiled_hooks.int8 import ops
 from compiled_hooks.int8.codec import (
     dequantize_packed,
     pack,

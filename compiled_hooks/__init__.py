@@ -4,7 +4,7 @@ The gradient-communication hooks of ``torch.distributed.algorithms._comm_hooks.d
 rewritten with functional collectives, so ``torch.compile`` traces them without graph breaks.
 """
 
-from . import fsdp, ops, powersgd, zero  # noqa: F401 - ops: every custom op, registered at import
+from . import fsdp, graph_contract, powersgd, zero  # noqa: F401 - every custom op, registered
 from .ddp import compile_ddp, compiled_autograd, ddp_comm_hook
 from .grad_scaler import ShardedGradScaler
 from .hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook

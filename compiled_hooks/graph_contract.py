@@ -37,20 +37,22 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
 
 Switches: :func:`compile_blocks_once`, which the passes turn on; :data:`VERIFY_ENV` and
 :data:`CHECK_RANKS_ENV`, which they read from the environment, parsed by :func:`env_flag`.
+
+This module names what lives elsewhere: the marks and the regions' switch in :mod:`.marks`
+(which the code that writes them imports), each custom op in the feature that owns it and
+registers it on import (:mod:`.int8.ops`, :mod:`.powersgd.ops`, :mod:`.zero.group_rank`,
+:mod:`.rank_guard`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
-from .ops import (
-    CHECK_RANKS,
-    DEQUANTIZE_PACKED,
-    GROUP_RANK,
-    POWERSGD_COUNT,
-)
+from .int8.ops import DEQUANTIZE_PACKED
+from .marks import BLOCK, INT8, blocks_compile_once, compile_blocks_once
+from .powersgd.ops import POWERSGD_COUNT
+from .rank_guard import CHECK_RANKS
+from .zero.group_rank import GROUP_RANK
 
 __all__ = [
     "BLOCK",
@@ -65,9 +67,6 @@ __all__ = [
     "compile_blocks_once",
     "blocks_compile_once",
 ]
-
-BLOCK = "data_parallel_block"  # the key of a data_parallel node's block in meta["custom"]
-INT8 = "int8_collective"  # the key, in meta["custom"], of a collective of packed int8 rows
 
 VERIFY_ENV = "PASSES_VERIFY"  # check every rewrite (passes.verify)
 CHECK_RANKS_ENV = "PASSES_CHECK_RANKS"  # insert the rank guard (passes.insert_rank_guard)
@@ -87,20 +86,3 @@ def env_flag(name: str, default: bool = False) -> bool:
     if value in _OFF:
         return False
     raise ValueError(f"environment variable {name}={raw!r}: expected 1, 0, true or false")
-
-
-_BLOCKS_ONCE = [False]
-
-
-@contextlib.contextmanager
-def compile_blocks_once() -> Iterator[None]:
-    """Run the blocks of every ``data_parallel`` root traced inside as regions (see above)."""
-    outer, _BLOCKS_ONCE[0] = _BLOCKS_ONCE[0], True
-    try:
-        yield
-    finally:
-        _BLOCKS_ONCE[0] = outer
-
-
-def blocks_compile_once() -> bool:
-    return _BLOCKS_ONCE[0]

@@ -55,10 +55,10 @@ from torch.utils.checkpoint import (
 )
 
 from .. import compat
-from ..graph_contract import BLOCK
 from ..hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
 from ..int8.codec import BLOCK_SIZE, quantize
 from ..int8.collectives import all_gather_quantized
+from ..marks import BLOCK
 from ..state import DefaultState, LowPrecisionState
 from .accumulation import NOTHING, Accumulate
 from .layout import Layout, TensorParallel, pad_rows

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import compat
-from ..graph_contract import blocks_compile_once
+from ..marks import blocks_compile_once
 from . import accumulation, regions
 from .arguments import MODES, PIPELINE_DIM, check_arguments
 from .blocks import default_blocks, warn_no_blocks

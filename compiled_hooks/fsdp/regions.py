@@ -11,7 +11,7 @@ subgraph::
     w2 = wait(all_gather(f2))                    w2 = wait(all_gather(f2))
     ... block 2's ops, reading w2 ...            y2 = invoke_subgraph(block, w2, y1)
 
-Regions are on while :func:`~compiled_hooks.graph_contract.compile_blocks_once` is
+Regions are on while :func:`~compiled_hooks.marks.compile_blocks_once` is
 (``passes.install()`` turns them on with
 the joint-graph rewrite that keeps ``reshard_after_forward``: without it the region's forward
 would hand its gathered parameters to its backward, and the backward would not gather again).

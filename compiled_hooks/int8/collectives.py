@@ -13,7 +13,7 @@ with one all-to-all, and dequantizes and sums what it received in fp32, in rank 
 Each row travels as one int8 buffer (:func:`~compiled_hooks.int8.codec.pack`): its scales'
 bytes, then its payload. One collective per exchange instead of two (the payload's and the
 scales'). Every collective of these functions carries int8 and is traced under the mark
-``graph_contract.INT8``, which is how the passes tell them from the others.
+``marks.INT8``, which is how the passes tell them from the others.
 
 All-reduce: the reduce-scatter, then this rank's shard quantized again and all-gathered, and
 every shard dequantized. Every rank dequantizes the same gathered bytes, its own shard
@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as fcol
 
-from .. import compat, ops
-from ..graph_contract import INT8
+from .. import compat
+from ..marks import INT8
+from . import ops
 from .codec import dequantize_packed, from_blocks, pack
 
 __all__ = [
@@ -73,7 +74,7 @@ def all_gather_quantized(q: torch.Tensor, scales: torch.Tensor, n: int, group: A
 
 
 def _marked() -> contextlib.AbstractContextManager[None]:
-    """Mark the collective traced inside as one of packed int8 rows (``graph_contract.INT8``):
+    """Mark the collective traced inside as one of packed int8 rows (``marks.INT8``):
     what the passes find it by."""
     return torch.fx.traceback.annotate({INT8: True})
 

@@ -8,7 +8,7 @@ Two packings, one per storage strategy (:mod:`.storage`)::
     row 1: [b][pad   ]  members 1 owns    row 1: [a1][b1][c1]  (each member padded to N slices)
 
 Every function is traceable and makes the same graph on every rank: the rank is a tensor read
-when the graph runs (:func:`~compiled_hooks.ops.group_rank`), never a Python value.
+when the graph runs (:func:`~compiled_hooks.zero.group_rank.group_rank`), never a Python value.
 """
 
 from __future__ import annotations

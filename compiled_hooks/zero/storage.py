@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..ops import group_rank
+from .group_rank import group_rank
 from .optim_math import Rule
 
 __all__ = ["BucketUpdate", "Items", "State", "Storage", "clipped"]

@@ -288,7 +288,7 @@ def test_training_quality_against_fp32_and_torch():
 def test_state_takes_every_value_torchs_takes(fake_pg):
     """torch's PowerSGDState accepts any number for min_compression_rate (0: compress every
     matrix, however small) and orthogonalization_epsilon; so does this one, with that meaning."""
-    from compiled_hooks.powersgd_state import should_compress
+    from compiled_hooks.powersgd import should_compress
 
     assert not should_compress(torch.Size([4, 4]), 1, 2)[0]  # (4 + 4) * 1 * 2 = 16: not < 16
     assert should_compress(torch.Size([4, 4]), 1, 0)[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from compiled_hooks import ops
+from compiled_hooks.int8 import ops
 from compiled_hooks.int8.codec import (
     QMAX,
     check_block_size,

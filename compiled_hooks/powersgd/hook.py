@@ -19,7 +19,7 @@ Every other gradient (vectors, small matrices), and every gradient before
 ``start_powerSGD_iter``, is averaged uncompressed, as in the original.
 
 The state (:class:`PowerSGDState`, per parameter, and how it follows the steps without the
-compiled graph depending on the step number) is in :mod:`compiled_hooks.powersgd_state`.
+compiled graph depending on the step number) is in :mod:`.state`, its custom ops in :mod:`.ops`.
 
 Where this differs from the original, by design:
 
@@ -46,10 +46,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
-from . import ops, validation
-from .powersgd_state import PowerSGDState, Slot, random_q, should_compress
+from .. import validation
+from . import ops
+from .state import PowerSGDState, Slot, should_compress
 
-__all__ = ["PowerSGDState", "orthogonalize", "powerSGD_hook", "random_q", "reduce_bucket_async"]
+__all__ = ["orthogonalize", "powerSGD_hook", "reduce_bucket_async"]
 
 
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0, dim: int = 1) -> torch.Tensor:
