@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compiled_hooks.fsdp import data_parallel
+from compiled_hooks.fsdp import data_parallel, data_parallel_state
 from passes import bucket_block_all_gathers, bucket_block_reduce_scatters
 from passes.testing import (
     fake_process_group,
@@ -138,7 +138,7 @@ def fsdp2_row(mesh, ac: bool, reshard: bool) -> dict:
 def data_parallel_eager_row(mesh, ac: bool, reshard: bool) -> dict:
     model, x = make_model(ac)
     data_parallel(model, mesh, reshard_after_forward=reshard, blocks=list(model))
-    kept = model._data_parallel.kept  # keep mode's gathered parameters, for a recompute
+    kept = data_parallel_state(model).kept  # keep mode's gathered parameters, for a recompute
     with _Gathers() as gathers:
         activations, params = eager_step(model, x, gathers.storages, lambda: list(kept.values()))
     return {"activations_mb": activations, "gathered_mb": params, "peak_gathered_mb": None}

@@ -64,6 +64,18 @@ class DefaultState:
         self.gradient_predivide_factor = predivide_factor(self.world_size)
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
 
+    def for_group(self, process_group: dist.ProcessGroup) -> DefaultState:
+        """A state like this one over ``process_group`` (hybrid sharding's replicas), with state
+        of its own where it keeps any."""
+        return DefaultState(process_group)
+
+    def prepare(
+        self, key: str, shape: torch.Size, device: torch.device, *, reduce_scatter: bool
+    ) -> None:
+        """Make what the hook keeps for gradients of ``shape`` under ``key``, for a caller that
+        traces the hook where it cannot make it (``data_parallel``'s backward); the default and
+        compression hooks keep nothing. ``reduce_scatter``: the hook gets an ``output``."""
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(world_size={self.world_size}, "
@@ -91,6 +103,9 @@ class LowPrecisionState(DefaultState):
                 f"{parameter_type!r}."
             )
         self.parameter_type = parameter_type
+
+    def for_group(self, process_group: dist.ProcessGroup) -> LowPrecisionState:
+        return LowPrecisionState(process_group, self.parameter_type)
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", parameter_type={self.parameter_type})"

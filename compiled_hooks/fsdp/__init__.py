@@ -1,6 +1,6 @@
 """FSDP and this package's communication hooks.
 
-- :func:`data_parallel` (:mod:`.native`): compile-native FSDP, the whole sharded step in
+- :func:`data_parallel` (:mod:`._data_parallel`): compile-native FSDP, the whole sharded step in
   one ``torch.compile`` graph, its gradient reduction a comm hook.
 - FSDP2 (``fully_shard``, ``replicate``) modules run the hooks through FSDP2's hook points
   (:mod:`.fsdp2`).
@@ -17,10 +17,10 @@ import torch
 
 from . import fsdp2 as _fsdp2
 from . import native_hook as _native_hook
+from ._data_parallel import MODES, DataParallelState, data_parallel, is_data_parallel
 from .blocks import default_blocks
 from .fsdp2 import ALREADY, ROOT_ONLY, HookAllReduce, HookReduceScatter
-from .native import MODES, DataParallelState, data_parallel, is_data_parallel
-from .root import DataParallelModule
+from .root import DataParallelModule, data_parallel_state
 
 __all__ = [
     "data_parallel",
@@ -28,6 +28,7 @@ __all__ = [
     "register_comm_hook",
     "get_comm_hook",
     "is_data_parallel",
+    "data_parallel_state",
     "DataParallelState",
     "DataParallelModule",
     "MODES",
@@ -58,7 +59,7 @@ def register_comm_hook(
 
 def get_comm_hook(module: torch.nn.Module) -> tuple[Callable[..., Any] | None, Any]:
     """``(hook, state)`` registered for this module (``(None, None)`` by default)."""
-    dp = getattr(module, "_data_parallel", None) or getattr(module, "_data_parallel_root", None)
+    dp = data_parallel_state(module)
     if dp is not None:
         return dp.comm_hook, dp.comm_hook_state
     return _fsdp2.get_comm_hook(module)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from .. import weight_gathers
+from .root import data_parallel_state
 from .sharding import check_tensor_parallel
 
 __all__ = ["check_arguments", "MODES", "PIPELINE_DIM"]
@@ -46,9 +47,10 @@ def check_arguments(
     if reshard is not None and not isinstance(reshard, bool):
         raise TypeError(f"{name}: reshard_after_forward must be a bool or None, got {reshard!r}")
 
-    if gather_dtype not in (None, torch.int8):
+    if gather_dtype is not None and gather_dtype not in weight_gathers.dtypes():
+        known = " or ".join(str(d) for d in weight_gathers.dtypes())
         raise ValueError(
-            f"{name}: gather_dtype must be None (gather in mp_policy.param_dtype) or torch.int8, "
+            f"{name}: gather_dtype must be None (gather in mp_policy.param_dtype) or {known}, "
             f"got {gather_dtype!r}"
         )
     if gather_dtype is not None and mode == "replicate":
@@ -59,7 +61,7 @@ def check_arguments(
             raise ValueError(
                 f"{name}: {what} is already wrapped by FSDP2 (fully_shard / replicate)"
             )
-        if hasattr(m, "_data_parallel_root"):
+        if data_parallel_state(m) is not None:
             raise ValueError(f"{name}: {what} is already wrapped by data_parallel")
     devices = {p.device for p in module.parameters()}
     if len(devices) > 1:

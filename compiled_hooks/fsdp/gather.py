@@ -15,8 +15,9 @@ and for ``"replicate"``: ``full = shard.to(param_dtype)`` forward, ``hook(state,
 forward sends the padded shard quantized instead, block-wise from its own (master) precision,
 and every rank dequantizes the same gathered bytes::
 
-    forward:   q, scales = quantize(pad(shard) as one row, INT8_BLOCK_SIZE)
-               full = dequantize(all_gather(pack(q, scales))).to(param_dtype)[:R]
+    forward:   full = gather(pad(shard), group).to(param_dtype)[:R]
+               # gather = compiled_hooks.weight_gathers.find(torch.int8): quantize in blocks
+               # of 256, all-gather the packed blocks and scales, dequantize
 
 The gradient goes to the shard as if the gather were exact (a straight-through estimator).
 
@@ -54,10 +55,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from .. import compat
+from .. import compat, weight_gathers
 from ..hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
-from ..int8.codec import BLOCK_SIZE, quantize
-from ..int8.collectives import all_gather_quantized
 from ..marks import BLOCK
 from ..state import DefaultState, LowPrecisionState
 from .accumulation import NOTHING, Accumulate
@@ -74,11 +73,7 @@ __all__ = [
     "gather",
     "gather_traced",
     "GATHER_OP",
-    "INT8_BLOCK_SIZE",
 ]
-
-# Elements per fp32 scale of an int8 weight gather.
-INT8_BLOCK_SIZE = BLOCK_SIZE
 
 
 class _GatherReduce(torch.autograd.Function):
@@ -102,11 +97,10 @@ class _GatherReduce(torch.autograd.Function):
         if gathered is not None:  # what an earlier gather of the same shard gave
             return gathered.detach()
         dtype = reduction.param_dtype or shard.dtype
-        if reduction.gather_dtype == torch.int8:  # data_parallel refuses it for replicate
-            padded = pad_rows(shard, layout.rows)
-            q, scales = quantize(padded.reshape(1, -1), INT8_BLOCK_SIZE)
+        if reduction.gather_dtype is not None:  # data_parallel refuses it for replicate
+            gather = weight_gathers.find(reduction.gather_dtype)
             # dequantizing reads the gathered bytes, so eager waits here
-            full = all_gather_quantized(q, scales, padded.numel(), reduction.shard_group)
+            full = gather(pad_rows(shard, layout.rows), reduction.shard_group)
             return full.to(dtype).view(-1, *layout.shape[1:])[: layout.shape[0]]
         x = shard if dtype == shard.dtype else shard.to(dtype)
         if reduction.shard_group is None:

@@ -11,26 +11,11 @@ from torch import nn
 
 from ..hook_kind import hook_kind
 from ..hooks import allreduce_hook, reduce_scatter_hook
-from ..int8.state import QuantizedState
 from ..state import DefaultState, LowPrecisionState
 from .fsdp2 import ALREADY, ROOT_ONLY
-from .gather import Reduction
+from .root import DataParallelModule, data_parallel_state
 
 __all__ = ["register_comm_hook"]
-
-
-def _replica_state(state: DefaultState, group: dist.ProcessGroup) -> DefaultState:
-    """A state like ``state`` over the replicas' ``group`` (its own error feedback, if any)."""
-    if isinstance(state, QuantizedState):
-        return QuantizedState(
-            group,
-            bits=state.bits,
-            block_size=state.block_size,
-            error_feedback=state.error_feedback,
-        )
-    if isinstance(state, LowPrecisionState):
-        return LowPrecisionState(group, state.parameter_type)
-    return DefaultState(group)
 
 
 def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..., Any]) -> None:
@@ -40,10 +25,11 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
     all-reduces the shard across the replicas with the same hook's ``hook(state, grad)`` form
     (``allreduce_hook`` for ``reduce_scatter_hook``) over the replicate group, so the result is
     averaged over all ranks. ``"replicate"`` calls ``hook(state, grad)``. A hook that takes
-    ``param=`` (``int8_compress_hook``) gets the parameter's fully qualified name; a
-    ``QuantizedState`` gets its residuals created here (``QuantizedState.prepare``)."""
+    ``param=`` (``int8_compress_hook``) gets the parameter's fully qualified name; the state
+    makes what it keeps per parameter here (``QuantizedState``: its residuals), since the
+    traced backward cannot."""
     name = "register_comm_hook"
-    dp = getattr(module, "_data_parallel", None)
+    dp = data_parallel_state(module) if isinstance(module, DataParallelModule) else None
     if dp is None:
         raise AssertionError(ROOT_ONLY)
     if not isinstance(state, DefaultState):
@@ -98,26 +84,4 @@ def register_comm_hook(module: nn.Module, state: DefaultState, hook: Callable[..
             "before the hook; a compression hook compresses by itself, so leave reduce_dtype "
             "unset."
         )
-    r = dp.reduction
-    r.hook, r.state, r.per_parameter = kind.fn, state, kind.per_parameter
-    if replica_hook is not None:
-        r.replica_hook = replica_hook
-        r.replica_state = _replica_state(state, dp.replicate_group)
-    dp.comm_hook, dp.comm_hook_state = hook, state
-    _prepare_residuals(module, r)
-
-
-def _prepare_residuals(module: nn.Module, r: Reduction) -> None:
-    """Create the int8 hook's error-feedback residuals now, for every parameter: its backward,
-    traced under ``torch.compile`` inside an ``autograd.Function``, cannot create them."""
-    if not isinstance(r.state, QuantizedState) and not isinstance(r.replica_state, QuantizedState):
-        return
-    for m in module.modules():
-        layouts = getattr(m, "_data_parallel_layouts", {})
-        for n, param in m.named_parameters(recurse=False):
-            layout, device = layouts[n], param.device
-            grad, out = r.hook_shapes(layout)
-            if isinstance(r.state, QuantizedState):
-                r.state.prepare(layout.name, grad, device, reduce_scatter=out is not None)
-            if isinstance(r.replica_state, QuantizedState) and out is not None:
-                r.replica_state.prepare(layout.name, out, device, reduce_scatter=False)
+    dp.set_comm_hook(hook, state, kind.fn, kind.per_parameter, replica_hook)

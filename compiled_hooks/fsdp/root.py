@@ -43,11 +43,14 @@ __all__ = [
     "DataParallelStage",
     "Completed",
     "as_pipeline_stage",
+    "attach",
+    "data_parallel_state",
 ]
 
 
 class DataParallelState:
-    """What ``data_parallel`` attaches to the root as ``module._data_parallel``."""
+    """What ``data_parallel`` keeps for one root and every module under it
+    (:func:`data_parallel_state`)."""
 
     def __init__(
         self,
@@ -94,6 +97,49 @@ class DataParallelState:
         # attributes that a traced forward reads, the module, the attribute, its layout)
         self.accumulator_slots: list[tuple[dict[str, Any], nn.Module, str, Layout]] = []
 
+    def set_comm_hook(
+        self,
+        hook: Callable[..., Any],
+        state: DefaultState,
+        traced: Callable[..., Any],
+        per_parameter: bool,
+        replica_hook: Callable[..., Any] | None,
+    ) -> None:
+        """Reduce through ``traced(state, ...)`` (the function of ``hook``, a registered hook
+        that ``get_comm_hook`` gives back) from the next trace, and through ``replica_hook`` over
+        the replicas with ``state`` made for their group. Each state makes, now, what it keeps
+        per parameter (:meth:`~compiled_hooks.state.DefaultState.prepare`)."""
+        r = self.reduction
+        r.hook, r.state, r.per_parameter = traced, state, per_parameter
+        if replica_hook is not None:
+            assert self.replicate_group is not None, "a replica hook reduces over the replicas"
+            r.replica_hook, r.replica_state = replica_hook, state.for_group(self.replicate_group)
+        self.comm_hook, self.comm_hook_state = hook, state
+        prepared: set[str] = set()
+        for _, module, attr, layout in self.accumulator_slots:
+            if layout.name in prepared:  # a parameter of several modules: one slot each
+                continue
+            prepared.add(layout.name)
+            device = module.get_parameter(attr).device
+            grad, out = r.hook_shapes(layout)
+            r.state.prepare(layout.name, grad, device, reduce_scatter=out is not None)
+            if r.replica_hook is not None and out is not None:
+                r.replica_state.prepare(layout.name, out, device, reduce_scatter=False)
+
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, DataParallelState] = weakref.WeakKeyDictionary()
+
+
+def attach(module: nn.Module, dp: DataParallelState) -> None:
+    """Make ``dp`` the state of ``module`` (a module ``data_parallel`` manages)."""
+    _STATES[module] = dp
+
+
+def data_parallel_state(module: nn.Module) -> DataParallelState | None:
+    """The state of the ``data_parallel`` root that manages ``module`` (the root or a module
+    under it); None for a module no ``data_parallel`` manages."""
+    return _STATES.get(module)
+
 
 class Completed(UnshardHandle):
     """What ``unshard(async_op=True)`` and ``finalize_backward(async_op=True)`` return: a
@@ -123,17 +169,21 @@ class DataParallelModule:
     (see the module docstring). ``recurse`` is accepted for FSDP2's signature: one root's
     switches apply to all its blocks."""
 
-    _data_parallel: DataParallelState
+    def _root_state(self) -> DataParallelState:
+        dp = data_parallel_state(cast(nn.Module, self))
+        assert dp is not None, "data_parallel attaches the root's state before it returns"
+        return dp
 
     def _state(self, switch: str) -> DataParallelState:
         """The root's state, checked to be outside its forward (where a switch would split one
         step's gradients between two modes)."""
-        if self._data_parallel.gathered:
+        dp = self._root_state()
+        if dp.gathered:
             raise RuntimeError(
                 f"{switch}: called inside the data_parallel module's forward; set it between "
                 "steps, before the forward whose backward it is for"
             )
-        return self._data_parallel
+        return dp
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         name = "set_requires_gradient_sync"
@@ -194,7 +244,8 @@ class DataParallelModule:
         """The module's own ``_apply`` (a stage's skips ``FSDPModule``'s, which reads an FSDP2
         state), then its accumulators made again like its parameters now are (after
         ``.to(torch.float64)``, say)."""
-        acc = self._data_parallel.reduction.accumulation
+        dp = self._root_state()
+        acc = dp.reduction.accumulation
         if acc.pending_bytes():
             raise RuntimeError(
                 "data_parallel: the module holds accumulated gradients; reduce them (a synced "
@@ -204,7 +255,7 @@ class DataParallelModule:
         result = super(skip, self)._apply(*args, **kwargs)  # type: ignore[arg-type]
         if acc.leaves:
             acc.leaves.clear()
-            _prepare_accumulators(self._data_parallel)
+            _prepare_accumulators(dp)
         return result
 
     def accumulated_gradient_bytes(self) -> int:

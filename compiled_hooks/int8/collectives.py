@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as fcol
 
-from .. import compat
+from .. import compat, weight_gathers
 from ..marks import INT8
 from . import ops
-from .codec import dequantize_packed, from_blocks, pack
+from .codec import BLOCK_SIZE, dequantize_packed, from_blocks, pack, quantize
 
 __all__ = [
     "ATEN_DEQUANTIZE_MIN_BYTES",
@@ -71,6 +71,17 @@ def all_gather_quantized(q: torch.Tensor, scales: torch.Tensor, n: int, group: A
     with _marked():
         gathered = compat.all_gather_single(packed, 0, group)
     return gathered_values(gathered, q.shape[2], n)
+
+
+def all_gather_weights(padded: torch.Tensor, group: Any) -> torch.Tensor:
+    """``data_parallel``'s int8 weight gather (ZeRO++'s qwZ, registered for ``torch.int8`` in
+    :mod:`compiled_hooks.weight_gathers`): ``padded``, this rank's shard as one row, quantized in
+    blocks of :data:`.codec.BLOCK_SIZE`, gathered and dequantized (:func:`all_gather_quantized`)."""
+    q, scales = quantize(padded.reshape(1, -1), BLOCK_SIZE)
+    return all_gather_quantized(q, scales, padded.numel(), group)
+
+
+weight_gathers.register(torch.int8, all_gather_weights)
 
 
 def _marked() -> contextlib.AbstractContextManager[None]:

@@ -149,6 +149,14 @@ class QuantizedState(DefaultState):
             kept = self._errors[slot] = kept.to(device)
         return kept
 
+    def for_group(self, process_group: dist.ProcessGroup) -> QuantizedState:
+        return QuantizedState(
+            process_group,
+            bits=self.bits,
+            block_size=self.block_size,
+            error_feedback=self.error_feedback,
+        )
+
     def prepare(
         self, key: str, shape: torch.Size, device: torch.device, *, reduce_scatter: bool
     ) -> None:

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import compiled_hooks as ch
 from compiled_hooks.fsdp import ALREADY, ROOT_ONLY, data_parallel, get_comm_hook, register_comm_hook
-from compiled_hooks.fsdp.gather import INT8_BLOCK_SIZE
+from compiled_hooks.int8.codec import BLOCK_SIZE as INT8_BLOCK_SIZE
 from compiled_hooks.int8.codec import dequantize, quantize
 from passes.testing import fake_process_group, gathered_bytes_alive
 from tests.fsdp.test_fsdp import _raises

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from compiled_hooks.fsdp import data_parallel
+from compiled_hooks.fsdp import data_parallel, data_parallel_state
 from tests.fsdp.test_data_parallel import rel
 from tests.ranks import run_ranks
 
@@ -177,8 +177,8 @@ def test_a_stage_is_an_fsdp_module_that_keeps_its_gathered_parameters():
     stage = data_parallel(nn.Sequential(nn.Linear(4, 4)), pp_dp_mesh()["dp"])
     plain = data_parallel(nn.Sequential(nn.Linear(4, 4)), init_device_mesh("cpu", (4,)))
     assert isinstance(stage, FSDPModule) and not isinstance(plain, FSDPModule)
-    assert (stage._data_parallel.reshard, plain._data_parallel.reshard) == (False, True)
-    reduces = [m._data_parallel.reduction.accumulation.reduces for m in (stage, plain)]
+    assert (data_parallel_state(stage).reshard, data_parallel_state(plain).reshard) == (False, True)
+    reduces = [data_parallel_state(m).reduction.accumulation.reduces for m in (stage, plain)]
     assert reduces == [False, True]
     assert type(stage[0:1]) is nn.Sequential  # FSDPModule.__new__ finds the module's class
     with pytest.raises(NotImplementedError, match="has no FSDP2 state"):
@@ -223,7 +223,7 @@ def test_a_stage_moved_remakes_its_accumulators_like_its_parameters():
     fake_process_group(4)
     module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     stage = data_parallel(module, pp_dp_mesh()["dp"], blocks=list(module))
-    leaves = stage._data_parallel.reduction.accumulation.leaves
+    leaves = data_parallel_state(stage).reduction.accumulation.leaves
     assert {acc.dtype for acc, _ in leaves.values()} == {torch.float32}
     stage.to(torch.float64)
     assert {acc.dtype for acc, _ in leaves.values()} == {torch.float64}

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import compiled_hooks as ch
 import passes
-from compiled_hooks.fsdp import data_parallel, register_comm_hook
+from compiled_hooks.fsdp import data_parallel, data_parallel_state, register_comm_hook
 from compiled_hooks.fsdp.gather import GATHER_OP
 from compiled_hooks.fsdp.regions import block_key
 from examples.llama import Config, LlamaForCausalLM
@@ -131,7 +131,7 @@ def test_a_traced_root_gathers_a_block_in_one_dynamo_node():
     assert sum(len(n.args[2]) for n in calls) == params
     assert not _calls(gm, torch.ops.higher_order.autograd_function_apply)
     stateful = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
-    state = ch.QuantizedState(model._data_parallel.shard_group)
+    state = ch.QuantizedState(data_parallel_state(model).shard_group)
     register_comm_hook(stateful, state, ch.int8_compress_hook)
     gm = _dynamo_graph(stateful, tokens)
     assert not _calls(gm, GATHER_OP)

@@ -49,7 +49,14 @@ from . import accumulation, regions
 from .arguments import MODES, PIPELINE_DIM, check_arguments
 from .blocks import default_blocks, warn_no_blocks
 from .gather import Gathers, Layout, gather, gather_traced, traceable
-from .root import DataParallelModule, DataParallelStage, DataParallelState, as_pipeline_stage
+from .root import (
+    DataParallelModule,
+    DataParallelStage,
+    DataParallelState,
+    as_pipeline_stage,
+    attach,
+    data_parallel_state,
+)
 from .sharding import shard_parameter
 
 __all__ = ["data_parallel", "is_data_parallel", "DataParallelState", "MODES"]
@@ -63,7 +70,6 @@ class _Managed(Protocol):
 
     _parameters: dict[str, Any]
     _data_parallel_root: DataParallelState
-    _data_parallel: DataParallelState  # the root's
     _data_parallel_layouts: dict[str, Layout]
     _data_parallel_region_layouts: dict[str, Layout]  # the same, named REGION (see _read_parameter)
     _data_parallel_shared: set[str]  # its attributes whose parameter other modules hold too
@@ -176,7 +182,7 @@ def _keep(dp: DataParallelState, name: str, full: torch.Tensor) -> None:
 
 def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The root's forward: parameter reads gather while it runs (see :func:`_read_parameter`)."""
-    dp = _managed(self)._data_parallel
+    dp = _managed(self)._data_parallel_root
     dp.started = True
     dp.gathered.append({})
     dp.region_sizes.append({})
@@ -370,8 +376,8 @@ def data_parallel(
         _managed(m)._data_parallel_block = _block(m)
     for m in module.modules():
         _managed(m)._data_parallel_root = dp
+        attach(m, dp)
     root = _managed(module)
-    root._data_parallel = dp
     dp.gathers = Gathers(dp.reduction, [layout for _, layout in sharded.values()])
     if not hasattr(module, "_data_parallel_layouts"):  # a root without parameters of its own
         root._data_parallel_layouts, root._data_parallel_shared = {}, set()
@@ -387,4 +393,4 @@ def data_parallel(
 
 
 def is_data_parallel(module: nn.Module) -> bool:
-    return hasattr(module, "_data_parallel_root")
+    return data_parallel_state(module) is not None
