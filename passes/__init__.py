@@ -12,11 +12,10 @@ prints one summary line per compiled graph, ``TORCH_LOGS="+passes"`` every decis
 import warnings
 from typing import Any
 
-import torch._logging
+from compiled_hooks import __version__, compat
 
-torch._logging._internal.register_log("passes", "passes")
+compat.register_log("passes")
 
-from compiled_hooks import __version__
 from compiled_hooks.rank_guard import RankDivergenceError
 
 from . import testing

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 
 from compiled_hooks import compat
@@ -44,7 +44,7 @@ def new_node(
     # A pass's new nodes are one of a kind (a bucket's cat of K members, its split into K): the
     # fake-tensor cache would hash every input and check every output for nothing, which costs
     # more than the op itself for large buckets.
-    with mode, disable_fake_tensor_cache(mode):
+    with mode, compat.fake_tensor_cache_off(mode):
         node.meta["val"] = target(*fake_args[0], **fake_args[1])
     return node
 

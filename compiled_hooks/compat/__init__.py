@@ -1,13 +1,18 @@
-"""The torch internals this distribution reads, each read in this package and nowhere else
-(FSDP2's in :mod:`.fsdp2`, ``invoke_subgraph``'s in :mod:`.regions`, re-exported here).
+"""The torch internals this distribution relies on across releases, each read in this package and
+nowhere else: the names in :data:`OWNED` (FSDP2's in :mod:`.fsdp2`, ``invoke_subgraph``'s in
+:mod:`.regions`, pipelining's in :mod:`.pipeline`, autograd's and DDP's in :mod:`.autograd`;
+all re-exported here).
 
 The packages support torch 2.11 to 2.15 (:data:`SUPPORTED`). They rely on names that torch
 does not promise to keep: functional collectives, FSDP2's parameter groups, Inductor's
 custom-pass hook, compiled autograd's entry point, c10d's group registry, the schema of an
 ``invoke_subgraph`` call. Each is read here only, by feature detection (never by version
 strings), so a release that moves one fails in one place (``tests/test_compat.py``: every name
-resolves, and no other module reads the internals in :data:`OWNED`). What differs across the
-supported range:
+resolves, and no other module reads the internals in :data:`OWNED`). A few private names that
+are torch's working interface and the same on every supported release are read where they are
+used, outside this claim: ``torch._ops.OpOverload`` (an op's class), Inductor's
+``stable_topological_sort`` and ``comms.sink_waits``, Dynamo's ``counters``, AOTAutograd's
+config, and the test helpers' fake process group. What differs across the supported range:
 
 =================================  ===============================================================
 functional all-gather and          ``all_gather_single`` / ``reduce_scatter_single`` from 2.13;
@@ -32,18 +37,29 @@ import contextlib
 import datetime
 import hashlib
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import torch
 import torch._guards as _guards
 import torch._inductor.config as inductor_config
 import torch._inductor.custom_graph_pass as _custom_graph_pass
+import torch._logging._internal as _logging_internal
+import torch._subclasses.fake_tensor as _fake_tensor
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _fcol
 import torch.distributed.distributed_c10d as _c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import placement_types as _placement_types
 
+from .autograd import (
+    compiled_autograd_enabled,
+    ddp_first_bucket_bytes,
+    ddp_uses_python_reducer,
+    in_backward,
+    python_reducer,
+    queue_backward_callback,
+    set_python_reducer,
+)
 from .fsdp2 import (
     FSDP_GROUPS,
     FSDPGroupLayout,
@@ -71,6 +87,9 @@ __all__ = [
     "resolve_process_group",
     "group_size_by_name",
     "in_backward",
+    "queue_backward_callback",
+    "fake_tensor_cache_off",
+    "register_log",
     "StridedShard",
     "concatenate_meshes",
     "default_group",
@@ -80,6 +99,7 @@ __all__ = [
     "python_reducer",
     "set_python_reducer",
     "ddp_uses_python_reducer",
+    "ddp_first_bucket_bytes",
     "inductor_config",
     "CustomGraphPass",
     "custom_post_pass",
@@ -142,6 +162,10 @@ OWNED = (
     "detect_fake_mode",
     "_higher_order_ops",
     "gen_schema",
+    "_bucket_config",
+    "_execution_engine",
+    "disable_fake_tensor_cache",
+    "register_log",
 )
 
 
@@ -229,13 +253,14 @@ def fake_mode(tensors: Any) -> Any:
     return _guards.detect_fake_mode(tensors)
 
 
-# Autograd's engine --------------------------------------------------------------------------
+def fake_tensor_cache_off(mode: Any) -> contextlib.AbstractContextManager[None]:
+    """``mode``'s cache of fake results off in the block (a pass's new nodes, computed once)."""
+    return _fake_tensor.disable_fake_tensor_cache(mode)
 
 
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (an activation
-    checkpoint's recompute runs inside one)."""
-    return torch._C._current_graph_task_id() != -1
+def register_log(name: str) -> None:
+    """Make ``name`` a log that ``TORCH_LOGS`` turns on, like torch's own."""
+    _logging_internal.register_log(name, name)
 
 
 # DTensor -------------------------------------------------------------------------------------
@@ -280,32 +305,6 @@ def group_timeout(pg: dist.ProcessGroup) -> datetime.timedelta:
         return pg._get_backend(torch.device("cpu")).options._timeout
     except Exception:  # noqa: BLE001 - no backend for CPU, or one without options
         return _c10d.default_pg_timeout
-
-
-# Compiled autograd and DDP's python reducer -------------------------------------------------
-
-_PYTHON_REDUCER: Final = "python_reducer"
-
-
-def compiled_autograd_enabled(
-    compiler_fn: Callable[..., Any],
-) -> contextlib.AbstractContextManager[None]:
-    """Backward passes in the block run under compiled autograd, with ``compiler_fn``."""
-    return torch._dynamo.compiled_autograd._enable(compiler_fn)
-
-
-def python_reducer() -> bool:
-    """Whether Dynamo compiles DDP with the python reducer (``optimize_ddp = "python_reducer"``)."""
-    return torch._dynamo.config.optimize_ddp == _PYTHON_REDUCER
-
-
-def set_python_reducer() -> None:
-    """Make DDP models built from now on use the python reducer, which compiled autograd traces."""
-    torch._dynamo.config.optimize_ddp = _PYTHON_REDUCER
-
-
-def ddp_uses_python_reducer(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
-    return bool(ddp._use_python_reducer)
 
 
 # Inductor's custom post-grad pass -----------------------------------------------------------

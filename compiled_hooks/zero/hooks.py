@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import compat
@@ -198,13 +197,12 @@ def _hook_with_zero(
     )
     # C++ reducer, in order
     reducing: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor, list]] = []
-    config = getattr(ddp, "_bucket_config", None)
     core = ZeroStep(
         hook,
         zero,
         interleaved,
         bucket_bytes=ddp.bucket_bytes_cap,
-        first_bucket_bytes=getattr(config, "first_bucket_bytes_cap", ddp.bucket_bytes_cap),
+        first_bucket_bytes=compat.ddp_first_bucket_bytes(ddp),
         order=[zero.index_of(p) for p in trained],
     )
     zero.attach_hooks()
@@ -214,7 +212,7 @@ def _hook_with_zero(
             grad, param = bucket
             if not core.started:  # flush the last bucket (and, after backward, update) at the end
                 core.started = True
-                Variable._execution_engine.queue_callback(functools.partial(core.finish, state))
+                compat.queue_backward_callback(functools.partial(core.finish, state))
             core.add(state, zero.index_of(param), grad)
             return None
         # C++ reducer: DDP's bucket is ours; its buffer holds the flat gradients
