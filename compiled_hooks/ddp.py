@@ -21,13 +21,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from . import compat
-from .hook_kind import hook_kind
+from .hook_kind import hook_kind, mark_wrapper
 
 __all__ = ["ddp_comm_hook", "compile_ddp", "compiled_autograd"]
 
@@ -84,7 +84,7 @@ def ddp_comm_hook(hook: Callable[..., Any]) -> Callable[[Any, Any], Any]:
     ddp_hook.__qualname__ = f"ddp_comm_hook({getattr(hook, '__qualname__', hook.__name__)})"
     ddp_hook.__doc__ = hook.__doc__
     # what hook_with_zero_step unwraps: it reduces its own buckets
-    cast(Any, ddp_hook).tensor_hook = hook
+    mark_wrapper(ddp_hook, hook)
     return ddp_hook
 
 
@@ -94,7 +94,7 @@ def reduce_buffer(
     """``hook(state, grad)`` on a C++-reducer bucket's flat ``buffer``: its async form
     (``hook.reduce_async``) when it has one, a pending future; else run to completion, a done
     one."""
-    reduce_async = getattr(hook, "reduce_async", None)
+    reduce_async = hook_kind(hook, "reduce_buffer").reduce_async
     if reduce_async is not None:
         return reduce_async(state, buffer)
     hook(state, buffer)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HookKind", "hook_kind"]
+__all__ = ["HookKind", "hook_kind", "give_reduce_async", "mark_wrapper"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def hook_kind(hook: Any, caller: str) -> HookKind:
     """Classify ``hook``; ``TypeError`` naming ``caller`` if it is not callable."""
     if not callable(hook):
         raise TypeError(f"{caller}: hook must be callable, got {type(hook).__name__}.")
-    fn = getattr(hook, "tensor_hook", hook)  # ddp_comm_hook(h): h
+    fn = getattr(hook, "tensor_hook", hook)  # mark_wrapper(ddp_comm_hook(h), h): h
     params = inspect.signature(fn).parameters
     positional = [
         p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -59,3 +59,14 @@ def hook_kind(hook: Any, caller: str) -> HookKind:
         grad_bucket=len(positional) >= 2 and positional[1].name == "bucket",
         reduce_async=getattr(fn, "reduce_async", None),
     )
+
+
+def give_reduce_async(hook: Callable[..., Any], reduce_async: Callable[..., Any]) -> None:
+    """Make ``reduce_async(state, grad) -> Future`` the form of ``hook`` for DDP's C++ reducer,
+    public as ``hook.reduce_async`` and read by :func:`hook_kind`."""
+    setattr(hook, "reduce_async", reduce_async)  # noqa: B010 - a function object's attribute
+
+
+def mark_wrapper(wrapper: Callable[..., Any], hook: Callable[..., Any]) -> None:
+    """Mark ``wrapper`` as calling ``hook``, which :func:`hook_kind` then classifies."""
+    setattr(wrapper, "tensor_hook", hook)  # noqa: B010 - a function object's attribute

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from . import compat, validation
+from .hook_kind import give_reduce_async
 from .state import DefaultState, LowPrecisionState
 
 __all__ = ["allreduce_hook", "reduce_scatter_hook", "fp16_compress_hook", "bf16_compress_hook"]
@@ -173,10 +174,12 @@ def bf16_compress_hook(
 
 
 # The C++ reducer's form of each all-reduce hook (see the module docstring).
-allreduce_hook.reduce_async = _allreduce_async  # type: ignore[attr-defined]
-fp16_compress_hook.reduce_async = functools.partial(  # type: ignore[attr-defined]
-    _low_precision_async, "fp16_compress_hook", torch.float16
+give_reduce_async(allreduce_hook, _allreduce_async)
+give_reduce_async(
+    fp16_compress_hook,
+    functools.partial(_low_precision_async, "fp16_compress_hook", torch.float16),
 )
-bf16_compress_hook.reduce_async = functools.partial(  # type: ignore[attr-defined]
-    _low_precision_async, "bf16_compress_hook", torch.bfloat16
+give_reduce_async(
+    bf16_compress_hook,
+    functools.partial(_low_precision_async, "bf16_compress_hook", torch.bfloat16),
 )

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import compat
 from ..hook_kind import hook_kind
-from ..state import DefaultState
+from ..state import DefaultState, LowPrecisionState
 
 __all__ = ["register_comm_hook", "get_comm_hook", "HookReduceScatter", "HookAllReduce"]
 
@@ -142,10 +142,9 @@ def _check_group(group: Any, state: DefaultState, hook: Callable[..., Any]) -> N
         raise TypeError(
             f"register_comm_hook: {name!r} cannot reduce a {kind_name} module: FSDP2 calls {need}"
         )
+    sends = state.parameter_type if isinstance(state, LowPrecisionState) else None
     for reduce_dtype in compat.fsdp_group_reduce_dtypes(group):
-        if reduce_dtype is not None and reduce_dtype != getattr(
-            state, "parameter_type", reduce_dtype
-        ):
+        if sends is not None and reduce_dtype not in (None, sends):
             raise ValueError(
                 "register_comm_hook: the module's MixedPrecisionPolicy casts gradients to "
                 f"{reduce_dtype} before the hook; a compression hook compresses by itself, so "

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compat, validation
+from ..hook_kind import give_reduce_async
 from .codec import (
     dequantize,
     from_row_blocks,
@@ -224,4 +225,4 @@ def _failed(error: Exception) -> torch.futures.Future[Any]:
     raise error
 
 
-int8_compress_hook.reduce_async = reduce_bucket_async  # type: ignore[attr-defined]
+give_reduce_async(int8_compress_hook, reduce_bucket_async)

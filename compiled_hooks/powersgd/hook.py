@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from .. import validation
+from ..hook_kind import give_reduce_async
 from . import ops
 from .state import PowerSGDState, Slot, should_compress
 
@@ -367,4 +368,4 @@ def _failed(error: Exception) -> torch.futures.Future[Any]:
     raise error
 
 
-powerSGD_hook.reduce_async = reduce_bucket_async  # type: ignore[attr-defined]
+give_reduce_async(powerSGD_hook, reduce_bucket_async)
