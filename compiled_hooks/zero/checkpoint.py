@@ -12,6 +12,7 @@ Parameters map by position, as in ``torch.optim``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from .flat_shard import FlatShard, flat_boxes
 from .storage import Storage
 
 __all__ = [
+    "LocalState",
     "FlatShard",
     "consolidated_state",
     "flat_boxes",
@@ -34,6 +36,23 @@ def local_entry(storage: Storage, steps: torch.Tensor, i: int) -> dict[str, Any]
     it (whole parameters: all of it on the owner, nothing elsewhere; ``shard_buckets``: a
     :class:`~.flat_shard.FlatShard` of this rank's slice)."""
     return {"step": steps[i].to(torch.float32).cpu(), **storage.checkpoint_state(i)}
+
+
+class LocalState(Mapping):
+    """``optimizer.state``, read-only: parameter -> its :func:`local_entry` (``index``: the
+    parameters' ids -> their indices in ``storage``)."""
+
+    def __init__(self, storage: Storage, steps: torch.Tensor, index: dict[int, int]):
+        self.storage, self.steps, self.index = storage, steps, index
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        return local_entry(self.storage, self.steps, self.index[id(param)])
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.storage.params)
+
+    def __len__(self) -> int:
+        return len(self.storage.params)
 
 
 def local_state(

@@ -13,14 +13,14 @@ of it raises ``ValueError``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
-from .checkpoint import consolidated_state, load_state, local_entry, local_state
+from .checkpoint import LocalState, consolidated_state, load_state, local_state
 from .even_shards import EvenShards
 from .optim_math import (
     COLUMNS,
@@ -38,24 +38,6 @@ from .storage import BucketUpdate, Storage
 from .whole_parameters import WholeParameters
 
 __all__ = ["ZeroOptimizer"]
-
-
-class _LocalState(Mapping):
-    """``optimizer.state``: parameter -> this rank's entry of :meth:`ZeroOptimizer.state_dict`
-    (its step, and the state this rank keeps of it)."""
-
-    def __init__(self, zero: ZeroOptimizer):
-        self._zero = zero
-
-    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
-        zero = self._zero
-        return local_entry(zero.storage, zero._steps, zero.index_of(param))
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self._zero.params)
-
-    def __len__(self) -> int:
-        return len(self._zero.params)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -185,7 +167,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.storage: Storage = strategy(params, names.pop(), self.process_group)
         self._row_buckets = frozenset()
         self._consolidated: tuple[torch.Tensor, dict[str, Any]] | None = None
-        self.state = _LocalState(self)  # type: ignore[assignment]  # a read-only Mapping
+        self.state = LocalState(self.storage, self._steps, self._index)  # type: ignore[assignment]
         self._built = True
 
     def _own_row_buckets(self) -> frozenset[tuple[int, ...]]:

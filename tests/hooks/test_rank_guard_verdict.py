@@ -10,11 +10,12 @@ import pytest
 import torch.distributed as dist
 
 from compiled_hooks import compat, rank_guard
+from compiled_hooks.rank_guard import protocol
 from passes.testing import fake_process_group
 
 
 def group(store, me, timeout=0.05):
-    return rank_guard._Group("g", None, [0, 1], me, store, timeout)
+    return protocol._Group("g", None, [0, 1], me, store, timeout)
 
 
 def test_a_timeout_verdict_is_published_for_every_rank():
@@ -22,7 +23,7 @@ def test_a_timeout_verdict_is_published_for_every_rank():
     waiting, late = group(store, 0), group(store, 1)
     entries = [["all_reduce", ["sum"], ["float32", [4]], "model.py:1"]]
     with pytest.raises(rank_guard.RankDivergenceError) as raised:
-        rank_guard._exchange(waiting, entries)
+        protocol._exchange(waiting, entries)
     assert "did not reach collective #0" in str(raised.value)
     assert late.read_verdict()
     assert late.verdict == str(raised.value)

@@ -42,12 +42,11 @@ import logging
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._dynamo.utils import counters
 
-from . import compat
+from .. import compat
 
 __all__ = [
     "RankDivergenceError",
@@ -55,7 +54,6 @@ __all__ = [
     "check",
     "issued_collectives",
     "unraised_verdict",
-    "CHECK_RANKS",
 ]
 
 log = logging.getLogger("passes.rank_guard")  # under the passes' log: TORCH_LOGS="passes" shows it
@@ -145,7 +143,7 @@ def agreed_records() -> list[str]:
 
 
 def check(record: str) -> None:
-    """What ``torch.ops.compiled_hooks.check_ranks(record)`` (:data:`CHECK_RANKS`) does:
+    """What ``torch.ops.compiled_hooks.check_ranks(record)`` (:data:`.op.CHECK_RANKS`) does:
     check ``record`` (JSON, see :mod:`passes.insert_rank_guard`) against the other ranks."""
     global _world
     if compat.default_group() is not _world:  # a new default group: group names start over
@@ -375,17 +373,3 @@ def _poll(group: _Group) -> None:
         if not store.check([group.key(pos, group.me)]):
             store.set(group.key(pos, group.me), json.dumps(answer))
         group.answered.add(pos)
-
-
-@torch.library.custom_op("compiled_hooks::check_ranks", mutates_args=())
-def _check_ranks(record: str) -> None:
-    check(record)
-
-
-@_check_ranks.register_fake
-def _(record: str) -> None:
-    return None
-
-
-CHECK_RANKS = torch.ops.compiled_hooks.check_ranks.default
-torch.fx.node.has_side_effect(CHECK_RANKS)  # the check matters though nothing reads a result
