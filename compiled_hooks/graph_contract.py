@@ -1,6 +1,7 @@
 """The contract between ``compiled_hooks``, which writes the traced graph, and ``passes``, which
 rewrites it: every mark, custom op and switch the passes read is named here, and the passes
-import them from here only.
+import them from here only. Each is defined where it is written: the marks and the regions'
+switch in :mod:`.marks`, each op in the feature that owns and registers it.
 
 What the hooks leave in Inductor's post-grad graph, and the passes rely on:
 
@@ -37,11 +38,6 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
 
 Switches: :func:`compile_blocks_once`, which the passes turn on; :data:`VERIFY_ENV` and
 :data:`CHECK_RANKS_ENV`, which they read from the environment, parsed by :func:`env_flag`.
-
-This module names what lives elsewhere: the marks and the regions' switch in :mod:`.marks`
-(which the code that writes them imports), each custom op in the feature that owns it and
-registers it on import (:mod:`.int8.ops`, :mod:`.powersgd.ops`, :mod:`.zero.group_rank`,
-:mod:`.rank_guard`).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from .. import compat
 from ..marks import blocks_compile_once
 from . import accumulation, regions
 from .arguments import MODES, PIPELINE_DIM, check_arguments
-from .blocks import default_blocks, warn_no_blocks
+from .blocks import blocks_of
 from .gather import Gathers, Layout, gather, gather_traced, traceable
 from .root import (
     DataParallelModule,
@@ -321,19 +321,7 @@ def data_parallel(
     if reshard_after_forward is None:
         reshard_after_forward = not stage
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    paths = {m: p for p, m in module.named_modules()}
-    if blocks is None:
-        block_map = default_blocks(module)
-        if not block_map:
-            warn_no_blocks(module)
-    else:
-        block_map = {}
-        for b in blocks:
-            if b not in paths or b is module:
-                raise ValueError(
-                    f"data_parallel: block {type(b).__name__} is not a submodule of the module"
-                )
-            block_map[paths[b]] = b
+    block_map = blocks_of(module, blocks)
     dp = DataParallelState(mode, mesh, mp_policy, reshard_after_forward, gather_dtype)
     blocks_ = set(block_map.values())
     sharded: dict[int, tuple[nn.Parameter, Layout]] = {}

@@ -1,13 +1,15 @@
-"""The blocks ``data_parallel`` gathers together: :func:`default_blocks` finds the layers of a
-model's outermost layer stacks; :func:`warn_no_blocks` tells a user whose model has none."""
+"""The blocks ``data_parallel`` gathers together (:func:`blocks_of`): the user's, or by default
+(:func:`default_blocks`) the layers of a model's outermost layer stacks; :func:`warn_no_blocks`
+tells a user whose model has none."""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["default_blocks", "warn_no_blocks"]
+__all__ = ["blocks_of", "default_blocks", "warn_no_blocks"]
 
 
 def _is_stack(container: nn.Module, layers: dict[str, nn.Module]) -> bool:
@@ -73,5 +75,25 @@ def warn_no_blocks(module: nn.Module) -> None:
         "transformer layers), or blocks=[] to gather everything with the root without this "
         "warning.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of data_parallel (via blocks_of)
     )
+
+
+def blocks_of(module: nn.Module, blocks: Iterable[nn.Module] | None) -> dict[str, nn.Module]:
+    """``{path: block}`` of ``data_parallel(module, blocks=blocks)``: ``blocks`` by their paths
+    in ``module`` (``ValueError`` for one that is not a submodule), or :func:`default_blocks`
+    (with :func:`warn_no_blocks` when it finds none)."""
+    if blocks is None:
+        found = default_blocks(module)
+        if not found:
+            warn_no_blocks(module)
+        return found
+    paths = {m: p for p, m in module.named_modules()}
+    chosen = {}
+    for b in blocks:
+        if b not in paths or b is module:
+            raise ValueError(
+                f"data_parallel: block {type(b).__name__} is not a submodule of the module"
+            )
+        chosen[paths[b]] = b
+    return chosen
