@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 from launch import itemsize, link_bytes_per_s, median_ms
 
-from passes._groups import ALL_TO_ALL_CHUNK_BYTES
+from passes.core.groups import ALL_TO_ALL_CHUNK_BYTES
 
 TRAFFIC_ROW = "compute alone, gloo traffic at the link rate alongside"
 

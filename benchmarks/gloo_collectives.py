@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as fcol
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms
 
-from passes._groups import ALL_TO_ALL_CHUNK_BYTES, chunk_bounds
+from passes.core.groups import ALL_TO_ALL_CHUNK_BYTES, chunk_bounds
 
 
 def _all_to_all_in_pieces(full: torch.Tensor, world: int, group, chunk_bytes: int) -> None:

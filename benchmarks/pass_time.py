@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 import compiled_hooks as ch
 import passes
+from passes.core.verify import copy_graph
 from passes.testing import fake_process_group, trace
-from passes.verify import copy_graph
 
 
 def ddp_backward(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:

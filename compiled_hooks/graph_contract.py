@@ -11,7 +11,7 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
 
   ``scale`` multiplies or divides by a Python number, ``cast`` converts between floating
   dtypes, ``view`` reshapes; every node strictly inside the chain has one user
-  (``passes._graph`` matches it; a collective with anything else around it is left alone).
+  (``passes.core.chains`` matches it; a collective with anything else around it is left alone).
 - **A data_parallel block** (:mod:`compiled_hooks.fsdp.gather`): every traced node of one
   parameter's gather and of its gradient's reduction carries ``meta["custom"][BLOCK]``, the
   name of its block (``""`` for the root), forward and backward; with ``hybrid_shard`` the
@@ -64,7 +64,7 @@ __all__ = [
     "blocks_compile_once",
 ]
 
-VERIFY_ENV = "PASSES_VERIFY"  # check every rewrite (passes.verify)
+VERIFY_ENV = "PASSES_VERIFY"  # check every rewrite (passes.core.verify)
 CHECK_RANKS_ENV = "PASSES_CHECK_RANKS"  # insert the rank guard (passes.insert_rank_guard)
 
 _ON, _OFF = ("1", "true"), ("0", "false", "")

@@ -40,10 +40,12 @@ from typing import cast
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten, calls, check_graph, is_op, record, val
-from ._groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
-from ._values import new_node
-from .interface import graph_pass
+from .core.groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
+from .core.interface import graph_pass
+from .core.marks import calls, check_graph, is_op
+from .core.ops import ALL_GATHER, ALL_TO_ALL, WAIT, aten, val
+from .core.record import record
+from .core.values import new_node
 
 __all__ = ["all_gather_as_all_to_all", "Options"]
 

@@ -53,23 +53,14 @@ from typing import cast
 import torch
 from torch.fx import Graph, Node
 
-from ._bucket import cat_prologue_problem
-from ._graph import (
-    ALL_GATHER,
-    ALL_TO_ALL,
-    VIEW_OPS,
-    WAIT,
-    arg,
-    aten,
-    check_graph,
-    is_op,
-    record,
-    val,
-)
-from ._groups import ALL_TO_ALL_BACKENDS, chunk_bounds, resolve_chunk_bytes
-from ._values import flat_value, new_node, reapply
-from ._weight_update import weight_update_matches
-from .interface import graph_pass
+from .core.bucket import cat_prologue_problem
+from .core.groups import ALL_TO_ALL_BACKENDS, chunk_bounds, resolve_chunk_bytes
+from .core.interface import graph_pass
+from .core.marks import check_graph, is_op
+from .core.ops import ALL_GATHER, ALL_TO_ALL, VIEW_OPS, WAIT, arg, aten, val
+from .core.record import record
+from .core.values import flat_value, new_node, reapply
+from .core.weight_update import weight_update_matches
 
 __all__ = ["all_to_all_weight_update", "Options"]
 

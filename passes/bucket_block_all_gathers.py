@@ -38,22 +38,12 @@ from typing import Any
 
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_GATHER,
-    CAST_OPS,
-    VIEW_OPS,
-    WAIT,
-    aten,
-    block_of,
-    calls,
-    check_graph,
-    is_op,
-    record,
-    val,
-)
-from ._traversal import input_cone
-from ._values import new_node
-from .interface import graph_pass
+from .core.interface import graph_pass
+from .core.marks import block_of, calls, check_graph, is_op
+from .core.ops import ALL_GATHER, CAST_OPS, VIEW_OPS, WAIT, aten, val
+from .core.record import record
+from .core.traversal import input_cone
+from .core.values import new_node
 
 __all__ = ["bucket_block_all_gathers"]
 

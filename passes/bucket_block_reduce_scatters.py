@@ -6,7 +6,7 @@ on its own, and marks each reduce-scatter with its block
 (``node.meta["custom"]["data_parallel_block"]``). This pass merges the reduce-scatter chains of
 one block (same group, reduce op, wire dtype and device), compressed or not, the way
 ``bucket_compressed_collectives`` merges compressed ones (shared
-:func:`passes._bucket.merge_chains`)::
+:func:`passes.core.bucket.merge_chains`)::
 
     before                                        after
     d1 = div(g1, 2); c1 = convert(d1, bf16)        d1 = div(g1, 2); c1 = convert(d1, bf16)
@@ -49,22 +49,12 @@ from typing import Any
 
 from torch.fx import Graph, Node
 
-from ._bucket import merge_chains
-from ._graph import (
-    ALL_REDUCE,
-    REDUCE_SCATTER,
-    WAIT,
-    Chain,
-    block_of,
-    chains,
-    check_graph,
-    is_chain_op,
-    is_op,
-    match_chain,
-    record,
-    val,
-)
-from .interface import graph_pass
+from .core.bucket import merge_chains
+from .core.chains import Chain, chains, is_chain_op, match_chain
+from .core.interface import graph_pass
+from .core.marks import block_of, check_graph, is_op
+from .core.ops import ALL_REDUCE, REDUCE_SCATTER, WAIT, val
+from .core.record import record
 
 __all__ = ["bucket_block_reduce_scatters"]
 

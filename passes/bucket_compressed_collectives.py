@@ -9,7 +9,7 @@ as soon as it holds ``first_bucket_cap_mb`` (DDP's rule), so a gradient larger t
 goes out in it.
 The default cap (``bucket_cap_mb=None``) is derived from the graph: a quarter of the wire
 bytes of the candidates of that kind, between 2 MB and 25 MB (DDP's default)
-(:func:`passes._bucket.derived_cap`), so a small model gets one to three buckets.
+(:func:`passes.core.bucket.derived_cap`), so a small model gets one to three buckets.
 
 For two gradients ``a`` and ``b`` (after ``fold_collective_scaling``)::
 
@@ -47,9 +47,12 @@ from typing import Any
 
 from torch.fx import Graph, Node
 
-from ._bucket import derived_cap, is_compressed, merge_chains
-from ._graph import Chain, block_of, chains, check_graph, is_collective, record, val
-from .interface import graph_pass
+from .core.bucket import derived_cap, is_compressed, merge_chains
+from .core.chains import Chain, chains
+from .core.interface import graph_pass
+from .core.marks import block_of, check_graph, is_collective
+from .core.ops import val
+from .core.record import record
 
 __all__ = ["bucket_compressed_collectives", "Options"]
 

@@ -40,9 +40,12 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import POWERSGD_COUNT
 
-from ._graph import ALL_REDUCE, WAIT, Chain, arg, aten, check_graph, is_op, match_chain, record, val
-from ._values import flat_value, new_node, piece_of, split_node
-from .interface import graph_pass
+from .core.chains import Chain, match_chain
+from .core.interface import graph_pass
+from .core.marks import check_graph, is_op
+from .core.ops import ALL_REDUCE, WAIT, arg, aten, val
+from .core.record import record
+from .core.values import flat_value, new_node, piece_of, split_node
 
 __all__ = ["bucket_low_rank_factors", "Options"]
 

@@ -8,7 +8,7 @@ gathers (``gather_dtype=torch.int8``) are one all-gather per parameter. This pas
 collectives of one kind, one group and one ``data_parallel`` block (none in DDP: the whole
 graph) into buckets of at most ``quantized_bucket_cap_mb`` (by default, outside a block, a
 quarter of that kind's bytes, between :data:`MIN_CAP_MB` and 25 MiB:
-:func:`passes._bucket.derived_cap`, so that the first buckets go out while the backward still
+:func:`passes.core.bucket.derived_cap`, so that the first buckets go out while the backward still
 runs; in a block 25 MiB): the members' rows side by side (a ``cat`` along dim 1, so row ``r``
 is still what goes to rank ``r``; a member packed by a cat of its own, as
 :func:`compiled_hooks.int8.codec.pack` does on CPU, gives that cat's inputs, so a bucket is
@@ -48,30 +48,20 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import DEQUANTIZE_PACKED
 
-from ._bucket import MAX_CAP_MB, derived_cap
-from ._graph import (
-    ALL_GATHER,
-    ALL_TO_ALL,
-    WAIT,
-    aten,
-    block_of,
-    calls,
-    check_graph,
-    is_op,
-    is_quantized,
-    record,
-    val,
-)
-from ._traversal import ancestors, dependents, mutates
-from ._values import new_node
-from .interface import graph_pass
+from .core.bucket import MAX_CAP_MB, derived_cap
+from .core.interface import graph_pass
+from .core.marks import block_of, calls, check_graph, is_op, is_quantized
+from .core.ops import ALL_GATHER, ALL_TO_ALL, WAIT, aten, val
+from .core.record import record
+from .core.traversal import ancestors, dependents, mutates
+from .core.values import new_node
 
 __all__ = ["bucket_quantized_collectives"]
 
 PASS = "bucket_quantized_collectives"
 
 MIN_CAP_MB = 0.5
-"""The floor of the derived cap, below the other buckets' (``passes._bucket.MIN_CAP_MB``): an
+"""The floor of the derived cap, below the other buckets' (``passes.core.bucket.MIN_CAP_MB``): an
 int8 bucket's receive side (dequantize, sum, the shard's quantize) runs on the CPU after its
 wait, and only smaller buckets let the next bucket's wire time hide it."""
 

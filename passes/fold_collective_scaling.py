@@ -4,7 +4,7 @@ The comm hooks average in two steps (divide by ``pre`` before the sum, by ``post
 to keep fp16 from overflowing. For bf16 and fp32 that split only costs two pointwise passes
 over every gradient: the collective can average by itself (reduce op ``avg``).
 
-Pattern (a chain, see ``passes._graph``), on a group of size N, wire dtype not fp16::
+Pattern (a chain, see ``passes.core.chains``), on a group of size N, wire dtype not fp16::
 
     before                                    after (product of factors == 1/N)
     d = div(g, 4.0)                           c = convert_element_type(g, bf16)
@@ -26,7 +26,7 @@ factors may belong to the other group), a group that cannot be resolved or whose
 disagrees, a single factor unless it is 1/N on an ``avg_backends`` group (nothing to merge:
 on gloo a hook's single pre-division already sits in the cast's kernel).
 ``avg`` is used only on ``avg_backends`` (those that average inside the collective, not gloo:
-see ``passes._groups.AVG_BACKENDS``) and never at world size 1 (NCCL's avg is wrong there; at
+see ``passes.core.groups.AVG_BACKENDS``) and never at world size 1 (NCCL's avg is wrong there; at
 N == 1 the product is 1 and the factors simply go). Idempotent: a folded chain has reduce op
 avg, or a single factor.
 
@@ -45,10 +45,13 @@ from fractions import Fraction
 import torch
 from torch.fx import Graph
 
-from ._graph import COLLECTIVES, REDUCE_SCATTER, WAIT, Chain, aten, chains, is_op, record
-from ._groups import AVG_BACKENDS, GroupInfo, group_info
-from ._values import new_node
-from .interface import graph_pass
+from .core.chains import Chain, chains
+from .core.groups import AVG_BACKENDS, GroupInfo, group_info
+from .core.interface import graph_pass
+from .core.marks import is_op
+from .core.ops import COLLECTIVES, REDUCE_SCATTER, WAIT, aten
+from .core.record import record
+from .core.values import new_node
 
 __all__ = ["fold_collective_scaling", "Options"]
 

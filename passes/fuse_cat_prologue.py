@@ -15,7 +15,7 @@ kernel that writes the member into the bucket, and the collective reads the ``ca
     r = all_reduce(c, "sum", group)          cb = convert_element_type(sb, bf16)
                                              r = all_reduce(cat([ca, cb]), "sum", group)
 
-Matched: an ``all_reduce`` / ``reduce_scatter_tensor`` whose input chain (``passes._graph``)
+Matched: an ``all_reduce`` / ``reduce_scatter_tensor`` whose input chain (``passes.core.chains``)
 starts at a ``cat`` along dim 0 of 1-D tensors that nothing else reads, through constant
 scales, floating casts and 1-D views only. Anything else is left alone. Values are bitwise
 the same (the same op on every element). Idempotent: afterwards the collective reads the
@@ -30,10 +30,13 @@ from typing import cast
 
 from torch.fx import Graph
 
-from ._bucket import cat_prologue_problem
-from ._graph import VIEW_OPS, arg, aten, chains, is_op, record, val
-from ._values import flat_value, new_node, reapply
-from .interface import graph_pass
+from .core.bucket import cat_prologue_problem
+from .core.chains import chains
+from .core.interface import graph_pass
+from .core.marks import is_op
+from .core.ops import VIEW_OPS, arg, aten, val
+from .core.record import record
+from .core.values import flat_value, new_node, reapply
 
 __all__ = ["fuse_cat_prologue"]
 

@@ -35,9 +35,11 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import aten, check_graph, record
-from ._traversal import aliases
-from .interface import graph_pass
+from .core.interface import graph_pass
+from .core.marks import check_graph
+from .core.ops import aten
+from .core.record import record
+from .core.traversal import aliases
 
 __all__ = ["hoist_input_writebacks"]
 

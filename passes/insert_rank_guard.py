@@ -38,8 +38,10 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import CHECK_RANKS as CHECK
 
-from ._graph import check_graph, is_collective, record, val
-from .interface import graph_pass
+from .core.interface import graph_pass
+from .core.marks import check_graph, is_collective
+from .core.ops import val
+from .core.record import record
 
 __all__ = ["insert_rank_guard", "collective_record"]
 

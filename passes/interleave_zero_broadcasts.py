@@ -50,22 +50,12 @@ import bisect
 
 from torch.fx import Graph, Node
 
-from ._bucket import compressed_collectives
-from ._graph import (
-    ALL_GATHER,
-    ALL_TO_ALL,
-    BROADCAST,
-    COLLECTIVES,
-    WAIT,
-    calls,
-    check_graph,
-    is_collective,
-    is_op,
-    is_quantized,
-    record,
-)
-from ._traversal import ancestors, mutates
-from .interface import graph_pass
+from .core.bucket import compressed_collectives
+from .core.interface import graph_pass
+from .core.marks import calls, check_graph, is_collective, is_op, is_quantized
+from .core.ops import ALL_GATHER, ALL_TO_ALL, BROADCAST, COLLECTIVES, WAIT
+from .core.record import record
+from .core.traversal import ancestors, mutates
 
 __all__ = ["interleave_zero_broadcasts"]
 

@@ -48,9 +48,11 @@ import dataclasses
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, WAIT, block_of, calls, check_graph, is_op, record
-from ._traversal import input_cone, is_alias, returned
-from .interface import graph_pass
+from .core.interface import graph_pass
+from .core.marks import block_of, calls, check_graph, is_op
+from .core.ops import ALL_GATHER, WAIT
+from .core.record import record
+from .core.traversal import input_cone, is_alias, returned
 
 __all__ = ["prefetch_block_all_gathers", "Options"]
 

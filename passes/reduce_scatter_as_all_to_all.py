@@ -41,21 +41,12 @@ from typing import cast
 import torch
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_TO_ALL,
-    REDUCE_SCATTER,
-    WAIT,
-    aten,
-    calls,
-    check_graph,
-    is_op,
-    prims,
-    record,
-    val,
-)
-from ._groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
-from ._values import new_node
-from .interface import graph_pass
+from .core.groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
+from .core.interface import graph_pass
+from .core.marks import calls, check_graph, is_op
+from .core.ops import ALL_TO_ALL, REDUCE_SCATTER, WAIT, aten, prims, val
+from .core.record import record
+from .core.values import new_node
 
 __all__ = ["reduce_scatter_as_all_to_all", "Options"]
 

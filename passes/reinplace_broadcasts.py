@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-from ._graph import BROADCAST, BROADCAST_, aten, check_graph, is_op, record, val
-from .interface import graph_pass
+from .core.interface import graph_pass
+from .core.marks import check_graph, is_op
+from .core.ops import BROADCAST, BROADCAST_, aten, val
+from .core.record import record
 
 __all__ = ["reinplace_broadcasts"]
 

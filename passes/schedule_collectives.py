@@ -31,24 +31,18 @@ Only collectives, waits and those pure post ops move, so values are unchanged; l
 graph's nodes. Inductor's scheduler reorders nodes again (its peak-memory ordering puts each
 wait right after its collective); :func:`passes.install` turns that ordering off and runs
 Inductor's ``sink_waits``, which keeps the waits late, on every graph but a ``data_parallel``
-one (:func:`passes.registration.sink_waits_outside_blocks`).
+one (:func:`passes.core.registration.sink_waits_outside_blocks`).
 """
 
 from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_GATHER,
-    WAIT,
-    block_of,
-    check_graph,
-    is_chain_op,
-    is_collective,
-    is_op,
-    record,
-)
-from .interface import graph_pass
+from .core.chains import is_chain_op
+from .core.interface import graph_pass
+from .core.marks import block_of, check_graph, is_collective, is_op
+from .core.ops import ALL_GATHER, WAIT
+from .core.record import record
 
 __all__ = ["schedule_collectives", "schedule_problems"]
 

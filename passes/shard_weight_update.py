@@ -40,10 +40,12 @@ from collections.abc import Collection
 
 from torch.fx import Graph, Node
 
-from ._graph import ALL_GATHER, REDUCE_SCATTER, WAIT, aten, check_graph, record, val
-from ._values import new_node, reapply
-from ._weight_update import weight_update_matches
-from .interface import graph_pass
+from .core.interface import graph_pass
+from .core.marks import check_graph
+from .core.ops import ALL_GATHER, REDUCE_SCATTER, WAIT, aten, val
+from .core.record import record
+from .core.values import new_node, reapply
+from .core.weight_update import weight_update_matches
 
 __all__ = ["shard_weight_update", "Options", "SHARD_BACKENDS"]
 

@@ -43,20 +43,11 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_GATHER,
-    ALL_TO_ALL,
-    WAIT,
-    block_of,
-    calls,
-    check_graph,
-    is_collective,
-    is_op,
-    is_quantized,
-    record,
-)
-from ._traversal import mutates
-from .interface import graph_pass
+from .core.interface import graph_pass
+from .core.marks import block_of, calls, check_graph, is_collective, is_op, is_quantized
+from .core.ops import ALL_GATHER, ALL_TO_ALL, WAIT
+from .core.record import record
+from .core.traversal import mutates
 
 __all__ = ["sink_quantized_receives"]
 

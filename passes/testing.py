@@ -36,8 +36,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compiled_hooks import compat
 
-from ._traversal import aliases, is_alias
-from .graph_text import graph_diff, graph_str
+from .core.graph_text import graph_diff, graph_str
+from .core.traversal import aliases, is_alias
 
 __all__ = [
     "trace",

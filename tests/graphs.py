@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import compiled_hooks as ch
-from passes._graph import ALL_GATHER, REDUCE_SCATTER
+from passes.core.ops import ALL_GATHER, REDUCE_SCATTER
 from passes.testing import partitioned_graphs
 
 HOOKS = {

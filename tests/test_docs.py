@@ -85,9 +85,22 @@ def test_version_is_one_value():
     assert (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause License")
 
 
+def test_the_default_pipeline_row_lists_its_passes_in_order():
+    from passes.core.pipeline import DEFAULT_PASSES
+
+    row = next(
+        line
+        for line in (ROOT / "docs" / "passes.md").read_text().splitlines()
+        if line.startswith("| `default_pipeline(")
+    )
+    listed = re.findall(r"`(\w+)`", row.split("|")[2])
+    assert listed[: len(DEFAULT_PASSES)] == [p.__name__ for p in DEFAULT_PASSES]
+    assert listed[len(DEFAULT_PASSES) :] == ["shard_weight_update"]
+
+
 def test_no_dates_or_timing_tables_in_the_code():
     for package in ("compiled_hooks", "passes"):
-        for path in (ROOT / package).glob("*.py"):
+        for path in (ROOT / package).rglob("*.py"):
             text = path.read_text()
             assert not re.search(r"20\d\d-\d\d-\d\d", text), f"{path.name} holds a date"
             assert not re.search(r"\d+(\.\d+)? ms\b", text), f"{path.name} holds a timing"

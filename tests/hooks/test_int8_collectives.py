@@ -16,7 +16,7 @@ from compiled_hooks.int8.collectives import (
     all_gather_quantized,
     reduce_scatter_quantized,
 )
-from passes._graph import ALL_GATHER, ALL_TO_ALL
+from passes.core.ops import ALL_GATHER, ALL_TO_ALL
 from passes.testing import trace
 from tests.hooks.test_quantize import block_absmax, bound
 from tests.ranks import run_ranks

@@ -170,7 +170,7 @@ def test_residuals_created_while_traced_are_no_pad_of_a_constant(fake_pg):
         ch.int8_compress_hook(state, grad, param="w")
         return grad
 
-    from passes._traversal import ancestors
+    from passes.core.traversal import ancestors
 
     torch.compile(step, backend=capture, fullgraph=True)(torch.randn(6, 8))
     (gm,) = graphs

@@ -22,10 +22,10 @@ from passes import (
     reduce_scatter_as_all_to_all,
     schedule_collectives,
 )
-from passes._graph import ALL_GATHER, ALL_REDUCE, CAST_OPS, REDUCE_SCATTER
-from passes._graph import ALL_TO_ALL as passes_ALL_TO_ALL
+from passes.core.ops import ALL_GATHER, ALL_REDUCE, CAST_OPS, REDUCE_SCATTER
+from passes.core.ops import ALL_TO_ALL as passes_ALL_TO_ALL
+from passes.core.verify import check_rewrite, copy_graph
 from passes.testing import gathered_bytes_alive, graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 from tests.ranks import run_ranks
 

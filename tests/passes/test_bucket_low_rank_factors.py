@@ -6,9 +6,9 @@ from torch._dynamo.utils import counters
 
 from compiled_hooks.powersgd import PowerSGDState, powerSGD_hook
 from passes import bucket_low_rank_factors, default_pipeline, fold_collective_scaling
+from passes.core.verify import check_rewrite, copy_graph
 from passes.schedule_collectives import schedule_problems
 from passes.testing import trace
-from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 
 # (4, 32) and the bias do not compress at rank 2

@@ -13,9 +13,10 @@ from compiled_hooks.graph_contract import BLOCK, DEQUANTIZE_PACKED, INT8
 from compiled_hooks.int8 import collectives as int8_collectives
 from compiled_hooks.int8.codec import pack, quantize, unpack
 from passes import bucket_quantized_collectives
-from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT, block_of
+from passes.core.marks import block_of
+from passes.core.ops import ALL_GATHER, ALL_TO_ALL, WAIT
+from passes.core.verify import check_rewrite, copy_graph
 from passes.testing import fake_process_group, graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 
 SHAPES = ((16,), (6, 5), (33,))

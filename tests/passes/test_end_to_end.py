@@ -14,7 +14,7 @@ from torch._inductor.utils import run_and_get_code
 
 import compiled_hooks as ch
 import passes
-from passes._graph import chains
+from passes.core.chains import chains
 from tests.ranks import run_ranks
 
 LAYERS = 8

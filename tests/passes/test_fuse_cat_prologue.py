@@ -5,8 +5,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from passes import fuse_cat_prologue
+from passes.core.verify import check_rewrite, copy_graph
 from passes.testing import graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests.graphs import zero_optimizer, zero_step_fn
 from tests.passcase import PassTestCase
 

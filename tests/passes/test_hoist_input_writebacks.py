@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from passes import hoist_input_writebacks
+from passes.core.verify import check_rewrite, copy_graph
 from passes.testing import graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests import output_code
 from tests.passcase import PassTestCase
 

@@ -1,5 +1,6 @@
 """Pipeline, default_pipeline and install: options, uuid, Inductor registration, FX graph cache."""
 
+import pathlib
 import re
 
 import pytest
@@ -17,7 +18,7 @@ from passes import (
     fold_collective_scaling,
     install,
 )
-from passes.registration import sink_waits_outside_blocks
+from passes.core.registration import sink_waits_outside_blocks
 from passes.testing import fake_process_group
 from tests.graphs import hook_fn
 
@@ -46,7 +47,7 @@ def test_a_pipeline_in_a_declared_wrong_order_is_refused_by_name():
 
 
 def test_every_pass_declares_its_interface():
-    from passes.interface import interface_of
+    from passes.core.interface import interface_of
 
     for name in passes.__all__:
         fn = getattr(passes, name)
@@ -63,7 +64,7 @@ def test_every_pass_declares_its_interface():
 def test_a_declaration_that_disagrees_with_its_function_is_refused():
     import dataclasses
 
-    from passes.interface import graph_pass
+    from passes.core.interface import graph_pass
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -99,6 +100,22 @@ def test_uuid_follows_passes_and_options():
         Pipeline([fold_collective_scaling, passes.bucket_block_all_gathers]).uuid()
         != Pipeline([passes.bucket_block_all_gathers, fold_collective_scaling]).uuid()
     )
+
+
+def test_uuid_follows_every_source_of_the_package(monkeypatch):
+    """A change to a helper the passes share (passes/core/) or to a pass module outside the
+    pass function keys another graph."""
+    import passes.core.cache_key as cache_key
+
+    key = default_pipeline().uuid()
+    sources = sorted(cache_key._PACKAGE_DIR.rglob("*.py"))
+    assert {"chains.py", "fold_collective_scaling.py", "__init__.py"} <= {p.name for p in sources}
+    helper = next(p for p in sources if p.name == "chains.py")
+    read = pathlib.Path.read_bytes
+    monkeypatch.setattr(
+        pathlib.Path, "read_bytes", lambda p: read(p) + (b"#" if p == helper else b"")
+    )
+    assert default_pipeline().uuid() != key
 
 
 def test_uuid_follows_the_hosts(monkeypatch):
@@ -283,7 +300,7 @@ def test_an_unsorted_graph_is_sorted_before_the_passes():
 def test_a_pass_that_leaves_a_read_before_its_value_is_named():
     """A rewrite that moves a value after its reader (or erases one still read) fails the run,
     naming the reader, before Inductor sees the graph."""
-    from passes.interface import graph_pass
+    from passes.core.interface import graph_pass
     from passes.testing import trace
     from tests.graphs import ddp_args, ddp_fn
 

@@ -11,9 +11,9 @@ import pytest
 from torch._dynamo.utils import counters
 
 import passes
+from passes.core.verify import check_rewrite, copy_graph
 from passes.schedule_collectives import schedule_problems
 from passes.testing import graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests.random_graphs import random_case, random_options
 
 COUNT = int(os.environ.get("RANDOM_GRAPHS", "200"))

@@ -4,8 +4,8 @@ process group): snapshot, numerics, idempotence, what is left alone."""
 import torch
 
 from passes import reinplace_broadcasts
+from passes.core.verify import check_rewrite, copy_graph
 from passes.testing import graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 
 c10d = torch.ops._c10d_functional

@@ -13,9 +13,9 @@ from torch.distributed._functional_collectives import all_reduce
 import compiled_hooks as ch
 import passes
 from passes import fold_collective_scaling, schedule_collectives
+from passes.core.verify import check_rewrite, copy_graph
 from passes.schedule_collectives import schedule_problems
 from passes.testing import fake_process_group, graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests.graphs import ddp_args, ddp_fn, mlp
 from tests.passcase import PassTestCase
 

@@ -10,9 +10,9 @@ import torch.distributed as dist
 import compiled_hooks as ch
 from compiled_hooks.graph_contract import BLOCK
 from passes import bucket_quantized_collectives, sink_quantized_receives
-from passes._graph import ALL_GATHER, ALL_TO_ALL, WAIT, aten
+from passes.core.ops import ALL_GATHER, ALL_TO_ALL, WAIT, aten
+from passes.core.verify import check_rewrite, copy_graph
 from passes.testing import fake_process_group, graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests.passcase import PassTestCase
 from tests.passes import test_bucket_quantized_collectives
 from tests.passes.test_bucket_quantized_collectives import hook_graph

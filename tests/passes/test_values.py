@@ -1,11 +1,11 @@
-"""The fake values ``passes._values`` computes without the fake kernel are the kernel's: the
+"""The fake values ``passes.core.values`` computes without the fake kernel are the kernel's: the
 same shape, strides, storage and offset, so Inductor sees the aliasing the op would give."""
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from passes._values import split_values, view_value
+from passes.core.values import split_values, view_value
 
 
 def _same(got, want):

@@ -6,7 +6,8 @@ from torch._dynamo.utils import counters
 
 import passes
 from passes import PassVerificationError, Pipeline
-from passes._graph import ALL_REDUCE, is_scale
+from passes.core.chains import is_scale
+from passes.core.ops import ALL_REDUCE
 from passes.testing import trace
 from tests.graphs import ddp_args, ddp_fn, hook_args, hook_fn
 
@@ -86,7 +87,7 @@ def test_verify_mode_bypasses_the_cache_and_reads_the_environment(monkeypatch):
 def test_nan_in_the_same_places_is_no_mismatch():
     """Random inputs make NaNs (sqrt of a negative): the same NaNs before and after are equal,
     a NaN that appears only after the rewrite is not."""
-    from passes.verify import check_rewrite, copy_graph
+    from passes.core.verify import check_rewrite, copy_graph
 
     gm = trace(lambda x: torch.sqrt(x) * 2, torch.ones(64), world_size=2)
     assert check_rewrite("identity", copy_graph(gm.graph), gm.graph)

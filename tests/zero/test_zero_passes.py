@@ -12,8 +12,8 @@ from passes import (
     interleave_zero_broadcasts,
     shard_weight_update,
 )
+from passes.core.verify import check_rewrite, copy_graph
 from passes.testing import graph_diff, graph_str, trace
-from passes.verify import check_rewrite, copy_graph
 from tests.graphs import zero_optimizer, zero_step_fn
 from tests.passcase import PassTestCase
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from torch.fx import Node
 
-from ._graph import WAIT
+from .ops import WAIT
 
 
 def is_alias(node: Node) -> bool:

@@ -7,21 +7,11 @@ from typing import cast
 
 from torch.fx import Graph, Node
 
-from ._graph import (
-    ALL_REDUCE,
-    REDUCE_SCATTER,
-    VIEW_OPS,
-    WAIT,
-    Chain,
-    aten,
-    cast_dtype,
-    chains,
-    is_op,
-    record,
-    scale_factor,
-    val,
-)
-from ._values import flat_value, new_node, piece_of, split_node
+from .chains import Chain, cast_dtype, chains, scale_factor
+from .marks import is_op
+from .ops import ALL_REDUCE, REDUCE_SCATTER, VIEW_OPS, WAIT, aten, val
+from .record import record
+from .values import flat_value, new_node, piece_of, split_node
 
 DERIVED_BUCKETS, MIN_CAP_MB, MAX_CAP_MB = 4, 2.0, 25.0
 

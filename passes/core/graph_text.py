@@ -1,5 +1,5 @@
 """Graphs as stable text: ``graph_str(gm)``, one line per node, for snapshot tests
-(:mod:`passes.testing`) and the verifier's reports (:mod:`passes.verify`)."""
+(:mod:`passes.testing`) and the verifier's reports (:mod:`passes.core.verify`)."""
 
 from __future__ import annotations
 

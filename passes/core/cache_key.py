@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from ._groups import ranks_on_one_host
+from .groups import ranks_on_one_host
 
 __all__ = ["cache_key"]
 
-_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent  # passes/, the framework included
 
 
 def cache_key(
@@ -26,7 +26,7 @@ def cache_key(
     guard switch, the job's host layout (the gloo rewrites' default piece size follows it) and
     torch's version."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE_DIR.glob("*.py")):
+    for path in sorted(_PACKAGE_DIR.rglob("*.py")):
         h.update(path.read_bytes())
     for p in passes:
         h.update(f"{getattr(p, '__module__', '')}.{getattr(p, '__qualname__', repr(p))}".encode())

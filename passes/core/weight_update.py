@@ -16,22 +16,11 @@ from torch.fx import Graph, Node
 
 from compiled_hooks.graph_contract import GROUP_RANK
 
-from ._graph import (
-    ALL_REDUCE,
-    BROADCAST,
-    CAST_OPS,
-    VIEW_OPS,
-    WAIT,
-    arg,
-    aten,
-    calls,
-    is_op,
-    is_scale,
-    match_chain,
-    record,
-    val,
-)
-from ._groups import group_info
+from .chains import is_scale, match_chain
+from .groups import group_info
+from .marks import calls, is_op
+from .ops import ALL_REDUCE, BROADCAST, CAST_OPS, VIEW_OPS, WAIT, arg, aten, val
+from .record import record
 
 __all__ = ["own_slice", "owner_broadcasts", "weight_update_matches"]
 

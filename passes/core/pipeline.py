@@ -1,6 +1,6 @@
 """Pipeline: the passes as one Inductor custom graph pass, run in order over a graph.
 
-``passes.install`` (:mod:`passes.registration`) registers the pipeline as
+``passes.install`` (:mod:`passes.core.registration`) registers the pipeline as
 ``torch._inductor.config.post_grad_custom_post_pass``, the *post* hook, not the pre one,
 because there the graph has been through Inductor's own post-grad passes: no-op removal has
 normalized it, and ``ddp_fusion`` has already bucketed the uncompressed all_reduces it knows (a
@@ -28,30 +28,30 @@ from torch.fx import Graph, Node
 from compiled_hooks import compat
 from compiled_hooks.graph_contract import CHECK_RANKS_ENV, VERIFY_ENV, env_flag
 
-from ._graph import check_graph, is_collective
-from .all_gather_as_all_to_all import all_gather_as_all_to_all
-from .all_to_all_weight_update import all_to_all_weight_update
-from .bucket_block_all_gathers import bucket_block_all_gathers
-from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
-from .bucket_compressed_collectives import bucket_compressed_collectives
-from .bucket_low_rank_factors import bucket_low_rank_factors
-from .bucket_quantized_collectives import bucket_quantized_collectives
+from ..all_gather_as_all_to_all import all_gather_as_all_to_all
+from ..all_to_all_weight_update import all_to_all_weight_update
+from ..bucket_block_all_gathers import bucket_block_all_gathers
+from ..bucket_block_reduce_scatters import bucket_block_reduce_scatters
+from ..bucket_compressed_collectives import bucket_compressed_collectives
+from ..bucket_low_rank_factors import bucket_low_rank_factors
+from ..bucket_quantized_collectives import bucket_quantized_collectives
+from ..fold_collective_scaling import fold_collective_scaling
+from ..fuse_cat_prologue import fuse_cat_prologue
+from ..hoist_input_writebacks import hoist_input_writebacks
+from ..insert_rank_guard import insert_rank_guard
+from ..interleave_zero_broadcasts import interleave_zero_broadcasts
+from ..prefetch_block_all_gathers import prefetch_block_all_gathers
+from ..reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
+from ..reinplace_broadcasts import reinplace_broadcasts
+from ..schedule_collectives import schedule_collectives
+from ..shard_weight_update import shard_weight_update as shard_weight_update_pass
+from ..sink_quantized_receives import sink_quantized_receives
 from .cache_key import cache_key
-from .fold_collective_scaling import fold_collective_scaling
-from .fuse_cat_prologue import fuse_cat_prologue
-from .hoist_input_writebacks import hoist_input_writebacks
-from .insert_rank_guard import insert_rank_guard
 from .interface import check_order, interface_of
-from .interleave_zero_broadcasts import interleave_zero_broadcasts
-from .prefetch_block_all_gathers import prefetch_block_all_gathers
-from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
-from .reinplace_broadcasts import reinplace_broadcasts
-from .schedule_collectives import schedule_collectives
-from .shard_weight_update import shard_weight_update as shard_weight_update_pass
-from .sink_quantized_receives import sink_quantized_receives
+from .marks import check_graph, is_collective
 from .verify import check_rewrite, copy_graph
 
-__all__ = ["Pipeline", "default_pipeline"]
+__all__ = ["Pipeline", "default_pipeline", "DEFAULT_PASSES", "keep_collective_inputs_dense"]
 
 log = logging.getLogger("passes")
 
@@ -110,15 +110,19 @@ class Pipeline(compat.CustomGraphPass):
 
     ``Pipeline([fold_collective_scaling, bucket_compressed_collectives], bucket_cap_mb=10)``
     calls ``bucket_compressed_collectives(graph, bucket_cap_mb=10)``. What a pass takes and what
-    it must run after is its declaration (:mod:`passes.interface`): an option no pass takes is a
+    it must run after is its declaration (:mod:`.interface`): an option no pass takes is a
     ``ValueError`` naming it, and an order that runs a pass before one it must run after is a
-    :class:`passes.interface.PassOrderError`.
+    :class:`passes.core.interface.PassOrderError`.
     ``uuid()`` hashes the source of this package, of every pass and the options, so Inductor's
     FX graph cache never serves a graph compiled with other passes or options.
 
     ``verify=True`` (default: the ``PASSES_VERIFY`` environment variable) checks every rewrite
-    with :func:`passes.verify.check_rewrite` and raises ``PassVerificationError`` on a change of
+    with :func:`.verify.check_rewrite` and raises ``PassVerificationError`` on a change of
     values; such a pipeline bypasses the FX graph cache so that every compile is verified.
+
+    After the passes, every pipeline runs its own step, :func:`keep_collective_inputs_dense`:
+    no pass, since it changes no node and no value, only how Inductor lays out a collective's
+    input (it is not declared, takes no option and cannot be left out).
 
     ``check_ranks=True`` (default: the ``PASSES_CHECK_RANKS`` environment variable, 1 or 0)
     runs :func:`passes.insert_rank_guard` after the passes: every compiled graph that
@@ -161,7 +165,7 @@ class Pipeline(compat.CustomGraphPass):
     def run(self, graph: Graph) -> bool:
         """Run every pass; True when any changed the graph (which is then checked once: every
         input defined before its reader). With ``verify``, every change is linted and checked by
-        :func:`passes.verify.check_rewrite`. Each pass's time adds to
+        :func:`passes.core.verify.check_rewrite`. Each pass's time adds to
         ``counters["passes"]["<pass>: us"]``, the whole run's (sort and check included) to
         ``counters["passes"]["pipeline: us"]``."""
         check_graph("Pipeline", graph)
@@ -230,6 +234,27 @@ class Pipeline(compat.CustomGraphPass):
         return f"Pipeline([{names}]{opts})"
 
 
+# The passes of default_pipeline(), in order (docs/passes.md tables what each does and must follow).
+DEFAULT_PASSES = (
+    all_to_all_weight_update,
+    fold_collective_scaling,
+    bucket_block_all_gathers,
+    bucket_block_reduce_scatters,
+    bucket_compressed_collectives,
+    bucket_low_rank_factors,
+    bucket_quantized_collectives,
+    sink_quantized_receives,
+    fuse_cat_prologue,
+    interleave_zero_broadcasts,
+    schedule_collectives,
+    prefetch_block_all_gathers,
+    reinplace_broadcasts,
+    all_gather_as_all_to_all,
+    reduce_scatter_as_all_to_all,
+    hoist_input_writebacks,
+)
+
+
 def default_pipeline(
     verify: bool | None = None,
     *,
@@ -237,37 +262,12 @@ def default_pipeline(
     check_ranks: bool | None = None,
     **options: Any,
 ) -> Pipeline:
-    """``all_to_all_weight_update``, ``fold_collective_scaling``, ``bucket_block_all_gathers``,
-    ``bucket_block_reduce_scatters``, ``bucket_compressed_collectives``,
-    ``bucket_low_rank_factors``, ``bucket_quantized_collectives``, ``sink_quantized_receives``,
-    ``fuse_cat_prologue``, ``interleave_zero_broadcasts``, ``schedule_collectives``,
-    ``prefetch_block_all_gathers``, ``reinplace_broadcasts``, ``all_gather_as_all_to_all``,
-    ``reduce_scatter_as_all_to_all``, ``hoist_input_writebacks`` (options:
-    ``all_to_all_backends``, ``all_to_all_chunk_bytes`` (the three gloo rewrites'),
-    ``all_gather_backends``, ``avg_backends``, ``bucket_cap_mb``,
-    ``first_bucket_cap_mb``, ``factor_bucket_cap_mb``, ``prefetch_depth``,
-    ``quantized_bucket_cap_mb``, ``reduce_scatter_backends``;
-    ``shard_backends`` with ``shard_weight_update``); with
-    ``shard_weight_update=True`` that pass first (before bucketing could merge the all_reduces
-    it rewrites); ``check_ranks`` as in :class:`Pipeline`."""
-    passes = [
-        all_to_all_weight_update,
-        fold_collective_scaling,
-        bucket_block_all_gathers,
-        bucket_block_reduce_scatters,
-        bucket_compressed_collectives,
-        bucket_low_rank_factors,
-        bucket_quantized_collectives,
-        sink_quantized_receives,
-        fuse_cat_prologue,
-        interleave_zero_broadcasts,
-        schedule_collectives,
-        prefetch_block_all_gathers,
-        reinplace_broadcasts,
-        all_gather_as_all_to_all,
-        reduce_scatter_as_all_to_all,
-        hoist_input_writebacks,
-    ]
+    """A :class:`Pipeline` of :data:`DEFAULT_PASSES` (docs/passes.md lists them in a table that
+    ``tests/test_docs.py`` holds to the tuple), ``options`` going to the passes that take
+    them (each pass's ``Options``). ``shard_weight_update=True`` runs that pass first (before
+    bucketing could merge the all_reduces it rewrites); ``verify`` and ``check_ranks`` as in
+    :class:`Pipeline`."""
+    passes = list(DEFAULT_PASSES)
     if shard_weight_update:
         passes.insert(0, shard_weight_update_pass)
     return Pipeline(passes, verify=verify, check_ranks=check_ranks, **options)

@@ -13,7 +13,8 @@ from torch.fx import Graph, Node
 
 from compiled_hooks import compat
 
-from ._graph import VIEW_OPS, aten, is_op, val
+from .marks import is_op
+from .ops import VIEW_OPS, aten, val
 
 _VIEWS = (aten.view.default, aten.reshape.default)  # their values: view_value
 

@@ -29,7 +29,9 @@ from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from compiled_hooks.graph_contract import GROUP_RANK, POWERSGD_COUNT
 
-from ._graph import (
+from .graph_text import graph_str
+from .groups import group_info
+from .ops import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
@@ -38,11 +40,9 @@ from ._graph import (
     COLLECTIVES,
     REDUCE_SCATTER,
     WAIT,
-    record,
 )
-from ._groups import group_info
-from ._traversal import ancestors
-from .graph_text import graph_str
+from .record import record
+from .traversal import ancestors
 
 __all__ = ["PassVerificationError", "check_rewrite", "simulate", "random_inputs", "copy_graph"]
 
