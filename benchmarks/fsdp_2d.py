@@ -51,7 +51,7 @@ from llama import Config, LlamaForCausalLM, parallelize_tp
 import passes
 from compiled_hooks import compat
 from compiled_hooks.fsdp import data_parallel
-from passes.core.pipeline import Pipeline, default_pipeline
+from passes.pipeline import Pipeline, default_pipeline
 
 
 def llama_config(layers: int) -> Config:

@@ -28,16 +28,16 @@ from .bucket_compressed_collectives import bucket_compressed_collectives
 from .bucket_low_rank_factors import bucket_low_rank_factors
 from .bucket_quantized_collectives import bucket_quantized_collectives
 from .core.interface import PassOrderError
-from .core.pipeline import Pipeline, default_pipeline
-from .core.registration import Installation, install
 from .core.verify import PassVerificationError
 from .fold_collective_scaling import fold_collective_scaling
 from .fuse_cat_prologue import fuse_cat_prologue
 from .hoist_input_writebacks import hoist_input_writebacks
 from .insert_rank_guard import insert_rank_guard
 from .interleave_zero_broadcasts import interleave_zero_broadcasts
+from .pipeline import Pipeline, default_pipeline
 from .prefetch_block_all_gathers import prefetch_block_all_gathers
 from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
+from .registration import Installation, install
 from .reinplace_broadcasts import reinplace_broadcasts
 from .schedule_collectives import schedule_collectives
 from .shard_weight_update import shard_weight_update
@@ -73,10 +73,10 @@ __all__ = [
     "testing",
 ]
 
-from .core import cache_key, graph_text, interface, pipeline, registration, verify
+from .core import cache_key, graph_text, interface, verify
 
 # The framework's modules live in passes.core; their former paths import the same modules.
-for _module in (cache_key, graph_text, interface, pipeline, registration, verify):
+for _module in (cache_key, graph_text, interface, verify):
     sys.modules[f"passes.{_module.__name__.rpartition('.')[2]}"] = _module
 
 _RENAMED = {"fuse_collective_casts": "bucket_compressed_collectives"}

@@ -31,7 +31,7 @@ Only collectives, waits and those pure post ops move, so values are unchanged; l
 graph's nodes. Inductor's scheduler reorders nodes again (its peak-memory ordering puts each
 wait right after its collective); :func:`passes.install` turns that ordering off and runs
 Inductor's ``sink_waits``, which keeps the waits late, on every graph but a ``data_parallel``
-one (:func:`passes.core.registration.sink_waits_outside_blocks`).
+one (:func:`passes.registration.sink_waits_outside_blocks`).
 """
 
 from __future__ import annotations

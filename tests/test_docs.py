@@ -86,7 +86,7 @@ def test_version_is_one_value():
 
 
 def test_the_default_pipeline_row_lists_its_passes_in_order():
-    from passes.core.pipeline import DEFAULT_PASSES
+    from passes.pipeline import DEFAULT_PASSES
 
     row = next(
         line

@@ -193,7 +193,7 @@ def test_dynamic_shapes_keep_one_region_and_a_bucket_per_block():
     calls one subgraph for every block, and the passes still bucket each block's gathers."""
     from torch._dynamo.utils import counters
 
-    from passes.core.pipeline import default_pipeline
+    from passes.pipeline import default_pipeline
 
     fake_process_group(4)
     config = Config(layers=LAYERS)
@@ -254,7 +254,7 @@ def test_the_passes_issue_each_blocks_gather_one_region_ahead():
     ``k + 1``'s goes out after region ``k - 1`` returns and before region ``k`` runs, so it is in
     flight while block ``k`` computes."""
     from passes.core.marks import block_of
-    from passes.core.pipeline import default_pipeline
+    from passes.pipeline import default_pipeline
 
     (_, fw), _ = _llama_graphs(True)
     default_pipeline()(fw.graph)

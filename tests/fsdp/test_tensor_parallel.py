@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from compiled_hooks.fsdp import data_parallel
-from passes.core.pipeline import default_pipeline
+from passes.pipeline import default_pipeline
 from passes.testing import fake_process_group
 from tests.fsdp.llama import (
     LAYERS,

@@ -18,7 +18,7 @@ from passes import (
     fold_collective_scaling,
     install,
 )
-from passes.core.registration import sink_waits_outside_blocks
+from passes.registration import sink_waits_outside_blocks
 from passes.testing import fake_process_group
 from tests.graphs import hook_fn
 

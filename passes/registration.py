@@ -1,8 +1,8 @@
-"""Registering a :class:`~passes.core.pipeline.Pipeline` with Inductor, and the scheduling that
+"""Registering a :class:`~passes.pipeline.Pipeline` with Inductor, and the scheduling that
 keeps the order the passes made.
 
 :func:`install` registers the pipeline as ``torch._inductor.config.post_grad_custom_post_pass``
-(after Inductor's own post-grad passes, see :mod:`passes.core.pipeline`) and, unless the process set
+(after Inductor's own post-grad passes, see :mod:`passes.pipeline`) and, unless the process set
 ``reorder_for_compute_comm_overlap`` itself, sets :data:`KEEP_SCHEDULE`:
 
 - ``reorder_for_compute_comm_overlap = True`` with
@@ -42,9 +42,9 @@ from compiled_hooks import compat
 from compiled_hooks.graph_contract import compile_blocks_once
 from compiled_hooks.rank_guard import RankDivergenceError, unraised_verdict
 
-from ..forward_region_inputs import forward_region_inputs
-from .cache_key import cache_key
-from .marks import block_of
+from .core.cache_key import cache_key
+from .core.marks import block_of
+from .forward_region_inputs import forward_region_inputs
 from .pipeline import Pipeline, default_pipeline
 
 __all__ = [
@@ -114,7 +114,7 @@ def install(
     check_ranks: bool | None = None,
     options: dict[str, Any] | None = None,
 ) -> Installation:
-    """Register ``pipeline`` (default: :func:`~passes.core.pipeline.default_pipeline`) with
+    """Register ``pipeline`` (default: :func:`~passes.pipeline.default_pipeline`) with
     Inductor, and return the :class:`Installation`.
 
     As a context manager it is taken out again on exit::

@@ -1,6 +1,6 @@
 """Pipeline: the passes as one Inductor custom graph pass, run in order over a graph.
 
-``passes.install`` (:mod:`passes.core.registration`) registers the pipeline as
+``passes.install`` (:mod:`passes.registration`) registers the pipeline as
 ``torch._inductor.config.post_grad_custom_post_pass``, the *post* hook, not the pre one,
 because there the graph has been through Inductor's own post-grad passes: no-op removal has
 normalized it, and ``ddp_fusion`` has already bucketed the uncompressed all_reduces it knows (a
@@ -28,28 +28,28 @@ from torch.fx import Graph, Node
 from compiled_hooks import compat
 from compiled_hooks.graph_contract import CHECK_RANKS_ENV, VERIFY_ENV, env_flag
 
-from ..all_gather_as_all_to_all import all_gather_as_all_to_all
-from ..all_to_all_weight_update import all_to_all_weight_update
-from ..bucket_block_all_gathers import bucket_block_all_gathers
-from ..bucket_block_reduce_scatters import bucket_block_reduce_scatters
-from ..bucket_compressed_collectives import bucket_compressed_collectives
-from ..bucket_low_rank_factors import bucket_low_rank_factors
-from ..bucket_quantized_collectives import bucket_quantized_collectives
-from ..fold_collective_scaling import fold_collective_scaling
-from ..fuse_cat_prologue import fuse_cat_prologue
-from ..hoist_input_writebacks import hoist_input_writebacks
-from ..insert_rank_guard import insert_rank_guard
-from ..interleave_zero_broadcasts import interleave_zero_broadcasts
-from ..prefetch_block_all_gathers import prefetch_block_all_gathers
-from ..reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
-from ..reinplace_broadcasts import reinplace_broadcasts
-from ..schedule_collectives import schedule_collectives
-from ..shard_weight_update import shard_weight_update as shard_weight_update_pass
-from ..sink_quantized_receives import sink_quantized_receives
-from .cache_key import cache_key
-from .interface import check_order, interface_of
-from .marks import check_graph, is_collective
-from .verify import check_rewrite, copy_graph
+from .all_gather_as_all_to_all import all_gather_as_all_to_all
+from .all_to_all_weight_update import all_to_all_weight_update
+from .bucket_block_all_gathers import bucket_block_all_gathers
+from .bucket_block_reduce_scatters import bucket_block_reduce_scatters
+from .bucket_compressed_collectives import bucket_compressed_collectives
+from .bucket_low_rank_factors import bucket_low_rank_factors
+from .bucket_quantized_collectives import bucket_quantized_collectives
+from .core.cache_key import cache_key
+from .core.interface import check_order, interface_of
+from .core.marks import check_graph, is_collective
+from .core.verify import check_rewrite, copy_graph
+from .fold_collective_scaling import fold_collective_scaling
+from .fuse_cat_prologue import fuse_cat_prologue
+from .hoist_input_writebacks import hoist_input_writebacks
+from .insert_rank_guard import insert_rank_guard
+from .interleave_zero_broadcasts import interleave_zero_broadcasts
+from .prefetch_block_all_gathers import prefetch_block_all_gathers
+from .reduce_scatter_as_all_to_all import reduce_scatter_as_all_to_all
+from .reinplace_broadcasts import reinplace_broadcasts
+from .schedule_collectives import schedule_collectives
+from .shard_weight_update import shard_weight_update as shard_weight_update_pass
+from .sink_quantized_receives import sink_quantized_receives
 
 __all__ = ["Pipeline", "default_pipeline", "DEFAULT_PASSES", "keep_collective_inputs_dense"]
 
