@@ -1,8 +1,8 @@
 """Gradient accumulation: a step of 4 micro-batches that reduces every micro-batch, against one
 that accumulates with ``set_requires_gradient_sync(False)`` and reduces the sum once.
 
-    python benchmarks/accumulation.py                 # 2 CPU ranks over loopback
-    python benchmarks/accumulation.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+    python -m benchmarks.accumulation                 # 2 CPU ranks over loopback
+    python -m benchmarks.accumulation --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
 Model: ``fsdp_step.py``'s ``mlp-8x1024`` (8 Linear(1024, 1024) + ReLU, every Linear a block,
 batch 32 per micro-batch), fp32, resharding after forward. Configurations: FSDP2 eager and
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -28,11 +26,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import results
-from achievable import record_collectives
-from fsdp_step import make_model
-from launch import (
+import passes
+from benchmarks.common import results
+from benchmarks.common.achievable import record_collectives
+from benchmarks.common.launch import (
     add_configs_argument,
     add_link_argument,
     add_smoke_argument,
@@ -42,8 +39,7 @@ from launch import (
     interleaved_median_ms,
     launch,
 )
-
-import passes
+from benchmarks.common.models import make_blocks_model
 from compiled_hooks import compat
 from compiled_hooks.fsdp import data_parallel
 
@@ -72,7 +68,7 @@ def fsdp2_held_bytes(model: torch.nn.Module) -> int:
 def build(config: str, tag: int, model_name: str) -> Callable[[], int]:
     """``config``'s step: it runs the micro-batches and returns the bytes held before the last
     one's backward."""
-    model, blocks, x = make_model(model_name, tag)
+    model, blocks, x = make_blocks_model(model_name, tag)
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     switch = config.endswith("set_requires_gradient_sync")
     if config.startswith("FSDP2"):

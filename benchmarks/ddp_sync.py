@@ -1,7 +1,7 @@
 """Gradient synchronisation in DDP: this project's passes against the peers they must beat.
 
-    python benchmarks/ddp_sync.py                 # 2 CPU ranks over loopback
-    python benchmarks/ddp_sync.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+    python -m benchmarks.ddp_sync                 # 2 CPU ranks over loopback
+    python -m benchmarks.ddp_sync --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
 Models: MLPs of Linear + ReLU, ``mlp-32x256`` (32 layers of width 256: 64 small tensors, 4 MB
 of bf16 gradients; at batch 32 its backward, ~10 ms here, is shorter than those bytes' ~17 ms
@@ -44,22 +44,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as ddp_default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-import results
-from achievable import (
+import compiled_hooks as ch
+import passes
+from benchmarks.common import results
+from benchmarks.common.achievable import (
     TRAFFIC_ROW,
     achievable_ms,
     compute_busy_ms,
@@ -69,7 +66,7 @@ from achievable import (
     under_compute_ms,
     vs_achievable,
 )
-from launch import (
+from benchmarks.common.launch import (
     add_configs_argument,
     add_link_argument,
     add_smoke_argument,
@@ -79,54 +76,15 @@ from launch import (
     itemsize,
     launch,
 )
-from step_timeline import COLLECTIVES, MATMULS, profiled_steps, timeline, waits
-from train_ddp import TinyTransformer, batch
+from benchmarks.common.models import MODELS, SMOKE_MODEL, loss_of, make_model
+from benchmarks.common.step_timeline import COLLECTIVES, MATMULS, profiled_steps, timeline, waits
 
-import compiled_hooks as ch
-import passes
-
-MODELS = {
-    "mlp-2x64": ("mlp", 64, 2, 8),
-    "mlp-32x256": ("mlp", 256, 32, 32),
-    "mlp-32x256-b128": ("mlp", 256, 32, 128),
-    "mlp-8x1024": ("mlp", 1024, 8, 32),
-    "transformer-small": ("transformer", 64, 4, 8),
-    "transformer-medium": ("transformer", 256, 4, 8),
-}
-SMOKE_MODEL = "mlp-2x64"  # --smoke's model, here and in the scripts that take these models
 PEERS = ["eager DDP", "eager DDP + torch fp16 hook", "compiled + bf16 hook + torch bucketing"]
 OURS = ["compiled + bf16 hook + passes"]
 INT8 = "compiled + int8 hook + passes"
 COMPUTE = "compute alone (compiled, no DDP)"
 CONFIGS = PEERS + OURS + [INT8, "compiled + bf16 hook", COMPUTE]
 SMOKE = ["eager DDP", *OURS, INT8, COMPUTE]  # what the report needs
-
-
-def make_model(name: str, extra_dims: int) -> tuple[nn.Module, tuple, torch.Tensor]:
-    """The model, its input and target. ``extra_dims`` adds a one-element parameter of that
-    rank: compiled autograd caches backward graphs by structure and would otherwise serve every
-    compiled configuration the graph it compiled first."""
-    kind, width, depth, batch_size = MODELS[name]
-    torch.manual_seed(0)
-    if kind == "mlp":
-        net = nn.Sequential(
-            *[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
-        )
-        g = torch.Generator().manual_seed(dist.get_rank())
-        inputs = (torch.randn(batch_size, width, generator=g),)
-        target = torch.randn(batch_size, width, generator=g)
-    else:
-        net = TinyTransformer(dim=width, layers=depth)
-        tokens, target = batch(dist.get_rank(), 0, batch_size=batch_size, seq_len=32)
-        inputs = (tokens,)
-    net.register_parameter("extra", nn.Parameter(torch.zeros((1,) * extra_dims)))
-    return net, inputs, target
-
-
-def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if target.dtype == torch.long:
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-    return F.mse_loss(out, target)
 
 
 class Config:

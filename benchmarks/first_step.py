@@ -1,10 +1,10 @@
 """The first step: what a job pays to compile before its first training step, cold (an empty
 Inductor cache) and warm (a restarted job on the same cache), against the steady step.
 
-    python benchmarks/first_step.py                          # depths 2 4 8 16, every config
-    python benchmarks/first_step.py --depths 2 8 --configs "FSDP2 eager" "FSDP2 per-layer compile"
+    python -m benchmarks.first_step                          # depths 2 4 8 16, every config
+    python -m benchmarks.first_step --depths 2 8 --configs "FSDP2 eager" "FSDP2 per-layer compile"
 
-Model: ``examples/llama.py``'s Llama (HuggingFace's layout) at hidden 256, MLP 512, 8 heads, 4
+Model: :mod:`benchmarks.common.llama` (HuggingFace's layout) at hidden 256, MLP 512, 8 heads, 4
 key/value heads, vocabulary 1024, ``--depths`` layers; a batch of 4 x 64 tokens, fp32 SGD, 2 gloo
 ranks over loopback. Configurations:
 
@@ -40,11 +40,11 @@ import pathlib
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
+from benchmarks.common.launch import ROOT, module_command
+
 CONFIGS = [
     "FSDP2 eager",
     "FSDP2 per-layer compile",
@@ -63,15 +63,12 @@ def _rank_main(config: str, depth: int, steps: int, out: str) -> None:
     more; rank 0 writes the result to ``out``."""
     import torch
     import torch.distributed as dist
-
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parent / "examples"))
-    from fsdp_step import INDUCTOR_FSDP_BUCKETING, simple_fsdp
-    from llama import Config, LlamaForCausalLM
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import passes
+    from benchmarks.common.llama import Config, LlamaForCausalLM
+    from benchmarks.common.simple_fsdp import INDUCTOR_FSDP_BUCKETING, simple_fsdp
     from compiled_hooks.fsdp import data_parallel
 
     torch.set_num_threads(1)
@@ -175,9 +172,10 @@ def run_job(config: str, depth: int, steps: int, cache: str, timeout: float) -> 
         "LOCAL_WORLD_SIZE": "2",  # as torchrun says of two ranks on one host
         "OMP_NUM_THREADS": "1",
     }
-    cmd = [sys.executable, __file__, "--rank-of", config, str(depth), str(steps), out]
+    cmd = module_command("first_step", "--rank-of", config, str(depth), str(steps), out)
     procs = [
-        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)
+        subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(2)
     ]
     try:
         codes = [p.wait(timeout=timeout) for p in procs]

@@ -1,9 +1,9 @@
 """2-D training steps, FSDP over ``dp`` and tensor parallelism over ``tp``: compile-native
 ``data_parallel`` against FSDP2 and a SimpleFSDP-style compile, each on the same TP plan.
 
-    python benchmarks/fsdp_2d.py                   # 4 CPU ranks over loopback, dp=2 x tp=2
+    python -m benchmarks.fsdp_2d                   # 4 CPU ranks over loopback, dp=2 x tp=2
 
-The model: the Llama of ``examples/llama.py`` (HuggingFace's layout) at width 256, 8 heads
+The model: the Llama of ``benchmarks/common/llama.py`` (HuggingFace's layout) at width 256, 8 heads
 (4 key/value heads), MLP width 704, 4 layers (``--layers``), vocabulary 2048; batch 8 x 64
 tokens, fp32; torchtitan's TP plan (``examples.llama.parallelize_tp``) over ``mesh["tp"]``
 first, then each configuration shards over ``mesh["dp"]``, each layer a block, resharding after
@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
 import statistics
-import sys
 import time
 
 import torch
@@ -42,13 +40,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-import results
-from fsdp_step import INDUCTOR_FSDP_BUCKETING, Average, Tagged
-from launch import add_smoke_argument, apply_smoke, launch
-from llama import Config, LlamaForCausalLM, parallelize_tp
-
 import passes
+from benchmarks.common import results
+from benchmarks.common.launch import add_smoke_argument, apply_smoke, launch
+from benchmarks.common.llama import Config, LlamaForCausalLM, parallelize_tp
+from benchmarks.common.models import Tagged
+from benchmarks.common.simple_fsdp import INDUCTOR_FSDP_BUCKETING, Average
 from compiled_hooks import compat
 from compiled_hooks.fsdp import data_parallel
 from passes.pipeline import Pipeline, default_pipeline

@@ -1,8 +1,8 @@
 """What an FSDP step keeps for backward, with and without activation checkpointing:
 compile-native ``data_parallel`` (eager and compiled) beside FSDP2 (eager) doing the same.
 
-    python benchmarks/fsdp_memory.py                  # world size 2, mlp-blocks
-    python benchmarks/fsdp_memory.py --world-size 8
+    python -m benchmarks.fsdp_memory                  # world size 2, mlp-blocks
+    python -m benchmarks.fsdp_memory --world-size 8
 
 One process on the fake process group (every rank's graph and tensors are the same; no
 collective moves data), so the bytes are exact and the run takes seconds. The model,
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-import results
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import results
 from compiled_hooks.fsdp import data_parallel, data_parallel_state
 from passes import bucket_block_all_gathers, bucket_block_reduce_scatters
 from passes.testing import (

@@ -1,8 +1,8 @@
 """FSDP training steps: compile-native ``data_parallel`` against FSDP2 and a SimpleFSDP-style
 compile.
 
-    python benchmarks/fsdp_step.py                 # 2 CPU ranks over loopback
-    python benchmarks/fsdp_step.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+    python -m benchmarks.fsdp_step                 # 2 CPU ranks over loopback
+    python -m benchmarks.fsdp_step --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
 Models: ``mlp-8x1024`` (8 Linear(1024, 1024) + ReLU, batch 32, every Linear a block) and
 ``transformer`` (the main example's transformer at width 256, 4 blocks, batch 8); ``mlp-2x64``
@@ -46,22 +46,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-import results
-from achievable import (
+import compiled_hooks as ch
+import passes
+from benchmarks.common import results
+from benchmarks.common.achievable import (
     TRAFFIC_ROW,
     achievable_ms,
     compute_busy_ms,
@@ -70,8 +67,7 @@ from achievable import (
     replay_ms,
     under_compute_ms,
 )
-from ddp_sync import MODELS, SMOKE_MODEL
-from launch import (
+from benchmarks.common.launch import (
     add_configs_argument,
     add_link_argument,
     add_smoke_argument,
@@ -81,90 +77,18 @@ from launch import (
     launch,
     link_bytes_per_s,
 )
-from step_timeline import profiled_steps, timeline
-from train_ddp import TinyTransformer, synchronize
-
-import compiled_hooks as ch
-import passes
+from benchmarks.common.models import MLPS, SMOKE_MODEL, make_blocks_model, synchronize
+from benchmarks.common.simple_fsdp import INDUCTOR_FSDP_BUCKETING, simple_fsdp
+from benchmarks.common.step_timeline import profiled_steps, timeline
 from compiled_hooks.fsdp import data_parallel, register_comm_hook
 from passes.testing import gathered_bytes_alive, partitioned_graphs
-
-INDUCTOR_FSDP_BUCKETING = {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all"}
-
-
-MLPS = ["mlp-2x64", "mlp-8x1024"]  # ddp_sync.py's models of these names
-
-
-def make_model(name: str, tag: int) -> tuple[nn.Module, list[nn.Module], torch.Tensor]:
-    """(model, blocks, input). ``tag`` sizes a parameter that makes each configuration's graph
-    its own (Dynamo would otherwise serve one configuration's graph to another)."""
-    torch.manual_seed(0)
-    if name in MLPS:
-        _, width, depth, batch = MODELS[name]
-        model = nn.Sequential(
-            *[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
-        )
-        blocks, x = [m for m in model if isinstance(m, nn.Linear)], torch.randn(batch, width)
-    else:
-        model = TinyTransformer(dim=256, layers=4)
-        blocks, x = list(model.blocks), torch.randint(0, model.vocab, (8, 32))
-    return Tagged(model, tag), blocks, x
-
-
-class Tagged(nn.Module):
-    def __init__(self, model: nn.Module, tag: int):
-        super().__init__()
-        self.model, self.tag = model, nn.Parameter(torch.zeros(2 * (tag + 1)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x) + self.tag.sum()
-
-
-def simple_fsdp(model: nn.Module, mesh, mp: MixedPrecisionPolicy) -> nn.Module:
-    """SimpleFSDP's design in a few lines: ``Shard(0)`` DTensor parameters, redistributed to
-    ``Replicate`` (an all-gather in ``param_dtype``) on every read; the gradient comes back as a
-    ``Partial`` sum, reduce-scattered in ``reduce_dtype`` by DTensor and averaged here."""
-    world = mesh.size()
-
-    def read(self, name):
-        full = self._parameters[name].redistribute(
-            placements=[Replicate()], forward_dtype=mp.param_dtype, backward_dtype=mp.reduce_dtype
-        )
-        return Average.apply(full.to_local(grad_placements=[Partial()]), world)
-
-    for m in list(model.modules()):
-        names = [n for n, p in m._parameters.items() if p is not None]
-        for n in names:
-            m._parameters[n] = nn.Parameter(
-                distribute_tensor(m._parameters[n].detach(), mesh, [Shard(0)], src_data_rank=None)
-            )
-        if names:
-            m.__class__ = type(
-                f"Simple{type(m).__name__}",
-                (type(m),),
-                {n: property(lambda self, n=n: read(self, n)) for n in names},
-            )
-    return model
-
-
-class Average(torch.autograd.Function):
-    """Identity forward; divides the gradient by the world size (SimpleFSDP sums)."""
-
-    @staticmethod
-    def forward(ctx, x, world):
-        ctx.world = world
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.world, None
 
 
 class Config:
     def __init__(self, name: str, model: str, index: int, mesh, param_dtype):
         self.name, self.times = name, []
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.bfloat16)
-        net, blocks, self.x = make_model(model, index)
+        net, blocks, self.x = make_blocks_model(model, index)
         self.options: dict[str, Any] = {}
         self.installed = False
         self.peak_mb: float | None = None

@@ -1,6 +1,6 @@
 """What one collective costs on gloo, against the time its bytes need on the link.
 
-    python benchmarks/gloo_collectives.py --link 2gbit  # 2 ranks, a 2 Gbit/s link (root, ip, tc)
+    python -m benchmarks.gloo_collectives --link 2gbit  # 2 ranks, a 2 Gbit/s link (root, ip, tc)
 
 For tensors of ``--sizes-mb`` (default 8 and 16) MB of bf16 (the full size: an all-gather's
 output, every other collective's input): all_reduce, the functional reduce_scatter_tensor,
@@ -17,8 +17,6 @@ pieces, ``shard_weight_update``'s backends) rest on this table.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -26,9 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch import add_link_argument, describe_link, launch, link_bytes_per_s, median_ms
-
+from benchmarks.common.launch import (
+    add_link_argument,
+    describe_link,
+    launch,
+    link_bytes_per_s,
+    median_ms,
+)
 from passes.core.groups import ALL_TO_ALL_CHUNK_BYTES, chunk_bounds
 
 

@@ -2,9 +2,9 @@
 bucketing, ``data_parallel`` against FSDP2 on a Llama of about 1B parameters, and whether the
 machine can shape a link for two ranks.
 
-    python benchmarks/gpu_step.py                  # CUDA where visible (full sizes), else CPU
-    python benchmarks/gpu_step.py --device cpu     # CI's run: CPU, gloo, the smallest sizes
-    python benchmarks/gpu_step.py --parts codec link   # some of the parts
+    python -m benchmarks.gpu_step                  # CUDA where visible (full sizes), else CPU
+    python -m benchmarks.gpu_step --device cpu     # CI's run: CPU, gloo, the smallest sizes
+    python -m benchmarks.gpu_step --parts codec link   # some of the parts
 
 One process, world size 1 (NCCL on CUDA, gloo on CPU), four parts:
 
@@ -16,7 +16,7 @@ One process, world size 1 (NCCL on CUDA, gloo on CPU), four parts:
    and the passes, against the same hook with torch's Inductor bucketing
    (``bucket_all_reduces_fx="all"``): median step (forward + backward) and the kernels Inductor
    generated for it (``torch._inductor.metrics.generated_kernel_count``).
-3. **data_parallel against FSDP2 eager**: ``examples/llama.py``'s Llama at about 1B parameters
+3. **data_parallel against FSDP2 eager**: :mod:`benchmarks.common.llama` at about 1B parameters
    in bf16 (dim 2048, 18 layers, vocabulary 32000; batch 4 x 512 tokens; CPU: 1 layer of
    width 64), each layer a block: ``data_parallel`` compiled whole with the passes against
    FSDP2 eager (``fully_shard`` per layer and the root), forward + backward + SGD, one after the
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import statistics
 import subprocess
@@ -49,17 +48,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from ddp_sync import loss_of, make_model
-from launch import link_problem
-from llama import Config, LlamaForCausalLM
-from train_ddp import synchronize
-
 import compiled_hooks as ch
 import passes
+from benchmarks.common.launch import ROOT, link_problem, module_command
+from benchmarks.common.llama import Config, LlamaForCausalLM
+from benchmarks.common.models import loss_of, make_model, synchronize
 from compiled_hooks.fsdp import data_parallel
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FULL = {
     "codec": [8_392_704, 100_000_000],
     "ddp": "mlp-8x1024",
@@ -94,13 +89,14 @@ def codec(device: torch.device, sizes: list[int]) -> None:
     print("\n## codec\n\n| values | row | median ms | ns per value | values per second |")
     print("|---:|---|---:|---:|---:|")
     for numel in sizes:
-        cmd = [sys.executable, os.path.join(HERE, "quantize_cost.py"), "--device", device.type]
+        cmd = module_command("quantize_cost", "--device", device.type)
         out = subprocess.run(
             [*cmd, "--numel", str(numel), "--reps", "5"],
             capture_output=True,
             text=True,
             check=True,
             timeout=900,
+            cwd=ROOT,
         ).stdout
         for line in out.splitlines():
             cells = [c.strip() for c in line.strip("|").split("|")]
@@ -203,9 +199,8 @@ def link(run: bool) -> None:
     problem = link_problem()
     print(f"\n## link\n\nip netns and tc: {'work' if problem is None else problem}")
     if problem is None and run:
-        script = os.path.join(HERE, "ddp_sync.py")
-        cmd = [sys.executable, script, "--link", "2gbit", "--models", "mlp-8x1024"]
-        subprocess.run([*cmd, "--steps", "10"], check=True, timeout=900)
+        cmd = module_command("ddp_sync", "--link", "2gbit", "--models", "mlp-8x1024")
+        subprocess.run([*cmd, "--steps", "10"], check=True, timeout=900, cwd=ROOT)
 
 
 def main() -> None:

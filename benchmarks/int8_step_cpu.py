@@ -2,7 +2,7 @@
 beside ``bf16_compress_hook`` + the passes, each rank's step profiled per op and per Inductor
 kernel.
 
-    python benchmarks/int8_step_cpu.py [--model mlp-8x1024] [--steps 5]
+    python -m benchmarks.int8_step_cpu [--model mlp-8x1024] [--steps 5]
 
 Two gloo ranks over loopback, one thread each, ``ddp_sync.py``'s model and configurations;
 after two compiling steps each configuration runs ``--steps`` steps under torch.profiler with
@@ -27,20 +27,17 @@ sum where the int8 ones quantize).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_sync import INT8, MODELS, OURS, SMOKE_MODEL, Config
-from launch import add_smoke_argument, apply_smoke, launch
-from step_timeline import MATMULS, profiled_steps
-
+from benchmarks.common.launch import add_smoke_argument, apply_smoke, launch
+from benchmarks.common.models import MODELS, SMOKE_MODEL
+from benchmarks.common.step_timeline import MATMULS, profiled_steps
+from benchmarks.ddp_sync import INT8, OURS, Config
 from compiled_hooks import graph_contract
 
 DEQUANTIZE = "dequantize op"

@@ -1,8 +1,8 @@
 """Where int8 gradients pay on this machine: int8 + passes against bf16 + passes on mlp-8x1024,
 in ``ddp_sync.py`` and ``fsdp_step.py``, at several link rates.
 
-    python benchmarks/link_sweep.py                       # 250mbit 500mbit 1gbit 2gbit, both
-    python benchmarks/link_sweep.py --send-ns 2.0 --receive-ns 0.8 --bf16-ns 0.5
+    python -m benchmarks.link_sweep                       # 250mbit 500mbit 1gbit 2gbit, both
+    python -m benchmarks.link_sweep --send-ns 2.0 --receive-ns 0.8 --bf16-ns 0.5
                                                           # and the projection beside each point
 
 Each point is one run of the benchmark with ``--link RATE`` (two ranks in two network
@@ -29,17 +29,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import results
-from ddp_sync import MODELS, SMOKE_MODEL
-from launch import link_bytes_per_s, link_rate
-from projection import project
+from benchmarks.common import results
+from benchmarks.common.launch import ROOT, link_bytes_per_s, link_rate, module_command
+from benchmarks.common.models import MODELS, SMOKE_MODEL
+from benchmarks.projection import project
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "mlp-8x1024"
 # benchmark -> (its bf16 row, its int8 row, its options for the model)
 ROWS = {
@@ -62,9 +59,9 @@ def run_point(benchmark: str, rate: str, steps: int, smoke: bool) -> dict[str, f
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         size = ["--smoke"] if smoke else ["--steps", str(steps), *model]
-        cmd = [sys.executable, os.path.join(HERE, f"{benchmark}.py"), "--link", rate, *size]
+        cmd = module_command(benchmark, "--link", rate, *size)
         print(f"\n$ {' '.join(cmd[1:])} --configs '{int8}'", flush=True)
-        subprocess.run([*cmd, "--configs", int8, "--json", out], check=True, timeout=3600)
+        subprocess.run([*cmd, "--configs", int8, "--json", out], check=True, timeout=3600, cwd=ROOT)
         with open(out) as f:
             (table,) = json.load(f)["tables"]
     return {row["config"]: row["median_ms"] for row in table["rows"]}

@@ -1,7 +1,7 @@
 """How the passes' own time grows with the graph: traced DDP-shaped graphs of K compressed hook
 calls.
 
-    python benchmarks/pass_time.py [--calls 890 3670] [--world-size 8]
+    python -m benchmarks.pass_time [--calls 890 3670] [--world-size 8]
 
 Each graph is what a compiled DDP backward with ``bf16_compress_hook`` looks like to the passes
 (:func:`ddp_backward`: every gradient computed, then reduced by the hook), traced with a fake
@@ -20,16 +20,12 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import statistics
-import sys
 import time
 
 import torch
-from torch._dynamo.utils import counters
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 import compiled_hooks as ch
 import passes

@@ -1,7 +1,7 @@
 """Pipeline parallelism with data-parallel stages: pp 2 x dp 2 on 4 gloo ranks over loopback,
 torch's ``PipelineStage`` and ``Schedule1F1B``, stages sharded by FSDP2 or by ``data_parallel``.
 
-    python benchmarks/pipeline.py
+    python -m benchmarks.pipeline
 
 Model: 8 blocks of Linear(1024, 1024) + ReLU split into 2 stages of 4, fp32, 4 micro-batches of
 32 per step, a mean-square loss. Configurations: FSDP2 stages eager and with each block compiled
@@ -18,8 +18,6 @@ is claimed; the counts are the point.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -29,10 +27,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import results
-from achievable import record_collectives
-from launch import (
+import passes
+from benchmarks.common import results
+from benchmarks.common.achievable import record_collectives
+from benchmarks.common.launch import (
     add_configs_argument,
     add_smoke_argument,
     apply_smoke,
@@ -40,8 +38,6 @@ from launch import (
     interleaved_median_ms,
     launch,
 )
-
-import passes
 from compiled_hooks.fsdp import data_parallel
 
 CONFIGS = [

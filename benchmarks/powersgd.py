@@ -1,7 +1,7 @@
 """Compiled PowerSGD against eager PowerSGD and against bf16 compression with the passes.
 
-    python benchmarks/powersgd.py                 # 2 CPU ranks over loopback
-    python benchmarks/powersgd.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+    python -m benchmarks.powersgd                 # 2 CPU ranks over loopback
+    python -m benchmarks.powersgd --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
 Model: ``ddp_sync.py``'s ``mlp-8x1024`` (8 layers of 1024 x 1024, batch 32; bandwidth-bound on
 a slow link; ``--model`` picks another of its models), each rank regressing its own fixed
@@ -31,11 +31,15 @@ import math
 import statistics
 import time
 
-import results
 import torch
 import torch.distributed as dist
-from ddp_sync import MODELS, loss_of, make_model
-from launch import (
+from torch._dynamo.utils import counters
+from torch.nn.parallel import DistributedDataParallel
+
+import compiled_hooks as ch
+import passes
+from benchmarks.common import results
+from benchmarks.common.launch import (
     add_link_argument,
     add_smoke_argument,
     apply_smoke,
@@ -43,12 +47,8 @@ from launch import (
     itemsize,
     launch,
 )
-from step_timeline import COLLECTIVES
-from torch._dynamo.utils import counters
-from torch.nn.parallel import DistributedDataParallel
-
-import compiled_hooks as ch
-import passes
+from benchmarks.common.models import MODELS, loss_of, make_model
+from benchmarks.common.step_timeline import COLLECTIVES
 from compiled_hooks.powersgd import PowerSGDState, powerSGD_hook
 
 START, WARMUP, LR = 2, 4, 0.1

@@ -1,6 +1,6 @@
 """A model, not a measurement: bf16 against int8 gradients per step on a cluster of your own.
 
-    python benchmarks/projection.py --params 1.1e9 --world-size 8 --link 100gbit \
+    python -m benchmarks.projection --params 1.1e9 --world-size 8 --link 100gbit \
         --send-ns 0.0185 --receive-ns 0.0091 [--bf16-ns 0.0092] [--overlapped]
 
 From three inputs, the time per step that the gradients' communication takes:
@@ -33,13 +33,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from launch import link_bytes_per_s, link_rate
-
+from benchmarks.common.launch import link_bytes_per_s, link_rate
 from compiled_hooks.int8.codec import BLOCK_SIZE, SCALE_BYTES
 
 BF16_BYTES = 2

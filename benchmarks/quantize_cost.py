@@ -1,6 +1,6 @@
 """What the int8 hooks' quantization costs beside a bf16 cast, compiled, on one device.
 
-    python benchmarks/quantize_cost.py [--device cpu|cuda] [--numel 8392704] [--rows 2]
+    python -m benchmarks.quantize_cost [--device cpu|cuda] [--numel 8392704] [--rows 2]
 
 One gradient of ``--numel`` fp32 elements, as ``--rows`` destination rows (the world size), goes
 through what each hook's compiled step computes around its collective, each function compiled
@@ -26,19 +26,14 @@ its page faults.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-import results
-from train_ddp import synchronize
-
+from benchmarks.common import results
+from benchmarks.common.models import synchronize
 from compiled_hooks.int8 import ops
 from compiled_hooks.int8.codec import (
     dequantize_packed,

@@ -1,6 +1,6 @@
 """What the rank-divergence guard costs: the main example's training step with and without it.
 
-    python benchmarks/rank_guard.py [--steps 300]     # 2 CPU ranks over gloo
+    python -m benchmarks.rank_guard [--steps 300]     # 2 CPU ranks over gloo
 
 Three copies of the main example (its transformer, compiled DDP + ``bf16_compress_hook`` + the
 passes, AdamW): one compiled with ``passes.install(check_ranks=True)`` and two without (the
@@ -18,21 +18,19 @@ collective count grows only on its steps).
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_ddp import TinyTransformer, batch, example_parser, launch, loss_fn
-
 import compiled_hooks as ch
 import passes
+from benchmarks.common.launch import launch
+from benchmarks.common.models import TinyTransformer, batch, loss_fn
 from compiled_hooks import rank_guard
 
 
@@ -126,8 +124,9 @@ def run(rank: int, world_size: int, args) -> bool:
 
 
 def main() -> None:
-    parser = example_parser(__doc__.split("\n\n")[0])
-    parser.set_defaults(steps=300)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="interleaved steps of each copy")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
     launch(run, parser.parse_args())
 
 

@@ -1,8 +1,8 @@
 """This project's hooks in DDP's C++ reducer against torch's own, in eager DDP and
 torch.compile(DDP).
 
-    python benchmarks/reducer_hooks.py                 # 2 CPU ranks over loopback
-    python benchmarks/reducer_hooks.py --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+    python -m benchmarks.reducer_hooks                 # 2 CPU ranks over loopback
+    python -m benchmarks.reducer_hooks --link 2gbit    # 2 ranks on a 2 Gbit/s link (root, ip, tc)
 
 The setups most DDP users run: eager DDP, and ``torch.compile(DDP(model))`` with Dynamo's
 default ``optimize_ddp="ddp_optimizer"`` (the graph split at bucket boundaries, the reduction
@@ -42,16 +42,22 @@ import random
 import statistics
 import time
 
-import results
 import torch
 import torch.distributed as dist
-from ddp_sync import loss_of, make_model
-from launch import add_link_argument, add_smoke_argument, apply_smoke, describe_link, launch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel
 
 import compiled_hooks as ch
+from benchmarks.common import results
+from benchmarks.common.launch import (
+    add_link_argument,
+    add_smoke_argument,
+    apply_smoke,
+    describe_link,
+    launch,
+)
+from benchmarks.common.models import loss_of, make_model
 from compiled_hooks import zero
 from compiled_hooks.powersgd import PowerSGDState, powerSGD_hook
 

@@ -1,8 +1,8 @@
 """A whole training step with a sharded optimizer: torch's ZeRO vs this project's compiled ZeRO.
 
-    python benchmarks/zero_step.py                # 2 CPU ranks over loopback
-    python benchmarks/zero_step.py --link 2gbit   # 2 ranks on a 2 Gbit/s link (root, ip, tc)
-    python benchmarks/zero_step.py --profile      # and each configuration's kernel profile
+    python -m benchmarks.zero_step                # 2 CPU ranks over loopback
+    python -m benchmarks.zero_step --link 2gbit   # 2 ranks on a 2 Gbit/s link (root, ip, tc)
+    python -m benchmarks.zero_step --profile      # and each configuration's kernel profile
 
 Same model (the main example's transformer) and batch for every configuration; their steps are
 interleaved (one step of each in turn, the order rotated every step) so that machine noise hits
@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,9 +48,10 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-import results
-from achievable import (
+import compiled_hooks as ch
+import passes
+from benchmarks.common import results
+from benchmarks.common.achievable import (
     TRAFFIC_ROW,
     achievable_ms,
     compute_busy_ms,
@@ -62,11 +61,14 @@ from achievable import (
     under_compute_ms,
     vs_achievable,
 )
-from launch import add_link_argument, add_smoke_argument, apply_smoke, describe_link, launch
-from train_ddp import TinyTransformer, batch, loss_fn
-
-import compiled_hooks as ch
-import passes
+from benchmarks.common.launch import (
+    add_link_argument,
+    add_smoke_argument,
+    apply_smoke,
+    describe_link,
+    launch,
+)
+from benchmarks.common.models import TinyTransformer, batch, loss_fn
 from compiled_hooks.zero import ZeroOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
 
 LR = 1e-3

@@ -2,7 +2,7 @@
 benchmark transformer's 3.2M parameters (52 tensors), as one update, against the
 rank-independent ways of updating only this rank's half.
 
-    python benchmarks/zero_update_layouts.py
+    python -m benchmarks.zero_update_layouts
 
 One process, one thread, each variant compiled with Inductor, medians of ``--calls`` calls
 (default 12):
@@ -30,14 +30,11 @@ One process, one thread, each variant compiled with Inductor, medians of ``--cal
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from compiled_hooks.zero.optim_math import (
     apply,
     direction_rule,

@@ -21,14 +21,10 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 # FSDP2 (the reference) warns that the model returns a view; nothing here modifies it in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
-import os
-import sys
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_ddp import TinyTransformer, example_parser, launch
 from train_fsdp2 import train_side_by_side
 

@@ -19,16 +19,12 @@ import warnings
 # torch warns at import when numpy is missing (numpy is not a dependency).
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_ddp import (
     TinyTransformer,
     batch,

@@ -28,16 +28,12 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import math
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_ddp import (
     TinyTransformer,
     batch,

@@ -1,12 +1,8 @@
 """The benchmarks' two-way contention reference (``achievable.contended_ms``)."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from achievable import contended_ms  # noqa: E402
+from benchmarks.common.achievable import contended_ms
 
 
 def test_no_slowdown_overlaps_fully():

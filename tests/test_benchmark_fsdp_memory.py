@@ -2,17 +2,12 @@
 checkpointing keeps data_parallel's activations at or under FSDP2's, and a resharding step
 with it gathers one block at a time)."""
 
-import os
-import sys
-
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from benchmarks import fsdp_memory
 from passes.testing import fake_process_group
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import fsdp_memory  # noqa: E402
 
 
 @pytest.mark.slow

@@ -1,14 +1,11 @@
 """``int8_step_cpu.by_category``, from events made here: a name, a CPU parent and a self CPU time
 in µs, which is all it reads."""
 
-import os
-import sys
 import types
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from int8_step_cpu import (  # noqa: E402
+from benchmarks.int8_step_cpu import (
     CAT,
     CATEGORIES,
     DEQUANTIZE,

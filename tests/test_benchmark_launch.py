@@ -8,9 +8,7 @@ import types
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import launch  # noqa: E402
-import results  # noqa: E402
+from benchmarks.common import launch, results
 
 
 @pytest.mark.parametrize("rate", ["2gbit", "500mbit", "100kbit", "1.5gbit", "800bit"])

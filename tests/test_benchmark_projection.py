@@ -3,14 +3,11 @@ link rate where serialized int8 and bf16 take the same time, and its refusals.""
 
 import argparse
 import math
-import sys
 
 import pytest
 
-sys.path.insert(0, "benchmarks")
-from launch import link_bytes_per_s, link_rate  # noqa: E402
-from projection import INT8_BYTES, break_even_link, project  # noqa: E402
-
+from benchmarks.common.launch import link_bytes_per_s, link_rate
+from benchmarks.projection import INT8_BYTES, break_even_link, project
 from compiled_hooks.int8.codec import BLOCK_SIZE, SCALE_BYTES  # noqa: E402
 
 MLP_8X1024 = 8_392_704

@@ -1,12 +1,9 @@
 """A profiled step's timeline (``step_timeline.timeline``), from events made here: the profiler's
 events carry a name, a time range in µs and a CPU parent, which is all it reads."""
 
-import os
-import sys
 import types
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from step_timeline import STEP, timeline  # noqa: E402
+from benchmarks.common.step_timeline import STEP, timeline
 
 
 def event(name, start_ms, end_ms, parent=None):

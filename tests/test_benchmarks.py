@@ -3,7 +3,8 @@ slow tier the smallest configuration (a subprocess, as a user runs it: loopback,
 The step benchmarks take ``--smoke`` for it (``launch.add_smoke_argument``: one small model, the
 configurations their report needs). What a benchmark computes is tested beside it
 (``test_benchmark_*.py``; ``fsdp_memory.py``'s rows in ``test_benchmark_fsdp_memory.py``).
-``achievable.py``, ``launch.py`` and ``step_timeline.py`` are modules, not scripts."""
+The shared parts are modules of ``benchmarks.common``, not scripts; each script runs as a
+module from the repository root, ``python -m benchmarks.<name>``."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ SMOKE = {
     "quantize_cost": ["--numel", "4096", "--reps", "2", "--device", "cpu"],
     "rank_guard": ["--steps", "2"],
     "reducer_hooks": ["--smoke"],
-    "results": None,  # plots another run's JSON: needs matplotlib (the bench extra)
+    "plot": None,  # plots another run's JSON: needs matplotlib (the bench extra)
     "zero_step": ["--smoke"],
     "zero_update_layouts": ["--numel", "20000", "--members", "4", "--calls", "2"],
 }
@@ -58,11 +59,10 @@ def test_every_script_has_a_smoke_entry():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help(script, monkeypatch):
     """``--help`` prints the script's usage and exits 0: it imports, and its options parse."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
-        runpy.run_path(str(BENCHMARKS / f"{script}.py"), run_name="__main__")
+        runpy.run_module(f"benchmarks.{script}", run_name="__main__")
     assert done.value.code == 0
     assert out.getvalue().startswith("usage:"), out.getvalue()[:200]
 
@@ -71,7 +71,7 @@ def test_help(script, monkeypatch):
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if SMOKE.get(s) is not None])
 def test_smallest_configuration_runs(script):
     proc = run_script(
-        [sys.executable, str(BENCHMARKS / f"{script}.py"), *SMOKE[script]],
+        [sys.executable, "-m", f"benchmarks.{script}", *SMOKE[script]],
         timeout=900,
         merge_stderr=True,
     )

@@ -423,21 +423,69 @@ def test_the_int8_format_is_defined_in_the_int8_package_only():
     assert INT8_FORMAT_NAMES | INT8_FORMAT_CONSTANTS <= defined  # the scan looks for real names
 
 
-def test_no_benchmark_imports_the_tests_or_a_private_name():
+def benchmark_imports_out_of_bounds(sources: dict[str, str]) -> list[str]:
+    """What benchmark sources import that they must not: the tests, the examples, a private
+    module of ``passes`` (``passes._x``) or a private name (``from m import _x``)."""
     found = []
-    for path in sorted((ROOT / "benchmarks").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-                private: list[str] = []
+                modules, private = [a.name for a in node.names], []
             elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
+                modules = [node.module or ""]
                 private = [a.name for a in node.names if _is_private(a.name)]
             else:
                 continue
-            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "tests"]
-            found += [f"{path.name}: {n}" for n in private]
-    assert found == []
+            for m in modules:
+                parts = m.split(".")
+                if parts[0] in ("tests", "examples") or (
+                    parts[0] == "passes" and any(p.startswith("_") for p in parts[1:])
+                ):
+                    found.append(f"{name}: {m}")
+            found += [f"{name}: {n}" for n in private]
+    return found
+
+
+def test_no_benchmark_imports_the_tests_the_examples_or_a_private_name():
+    sources = {
+        str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "benchmarks").rglob("*.py"))
+    }
+    assert len(sources) > 20
+    assert benchmark_imports_out_of_bounds(sources) == []
+    mutants = {
+        "a.py": "from passes._groups import chunk_bounds\n",
+        "b.py": "import examples.train_ddp\n",
+        "c.py": "from tests.processes import run_script\n",
+        "d.py": "from benchmarks.common.launch import _in_group\n",
+    }
+    assert len(benchmark_imports_out_of_bounds(mutants)) == 4
+
+
+def sys_path_edits(source: str) -> list[int]:
+    """Lines that edit the import path: ``sys.path.insert`` / ``append`` / ``extend``, or
+    pytest's ``syspath_prepend``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (
+            (node.attr in ("insert", "append", "extend") and ast.unparse(node.value) == "sys.path")
+            or node.attr == "syspath_prepend"
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_edits_the_import_path():
+    """The benchmarks run as modules (``python -m benchmarks.<name>``), the examples import the
+    installed packages and their own folder's modules, and the tests import both from the
+    repository root: no file puts a folder on ``sys.path``."""
+    found = {
+        str(p.relative_to(ROOT)): sys_path_edits(p.read_text())
+        for folder in ("benchmarks", "examples", "tests", "tools", *PACKAGES)
+        for p in sorted((ROOT / folder).rglob("*.py"))
+    }
+    assert {path: lines for path, lines in found.items() if lines} == {}
+    assert sys_path_edits("import sys\nsys.path.insert(0, 'x')\n") == [2]
+    assert sys_path_edits("def t(monkeypatch):\n    monkeypatch.syspath_prepend('x')\n") == [2]
 
 
 MAX_LINES, MAX_DOCSTRING_LINES = 400, 45

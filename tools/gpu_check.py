@@ -143,7 +143,6 @@ def main() -> int:
         help="the test suite's fast tier as well (default: fast on cuda, none on cpu)",
     )
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))  # the project from this working tree, installed or not
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

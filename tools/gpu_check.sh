@@ -20,4 +20,4 @@
 # Exits non-zero when anything failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" tools/gpu_check.py "$@"
+exec "${PYTHON:-python3}" -m tools.gpu_check "$@"  # from the root: this tree's packages

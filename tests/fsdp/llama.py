@@ -1,4 +1,4 @@
-"""The tiny Llama of ``examples/llama.py`` (HuggingFace's layout) as the composition tests
+"""The tiny Llama of ``benchmarks/common/llama.py`` (HuggingFace's layout) as the composition tests
 build it: with activation checkpointing in each of its user-facing forms (:func:`llama`), and
 with torchtitan's tensor-parallel plan (:func:`parallelize_tp`)."""
 
@@ -17,7 +17,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from examples.llama import Config, DecoderLayer, LlamaForCausalLM, parallelize_tp
+from benchmarks.common.llama import Config, DecoderLayer, LlamaForCausalLM, parallelize_tp
 from tests.fsdp.test_data_parallel import rel
 
 __all__ = [

@@ -208,9 +208,9 @@ def test_inductor_with_passes(ac, reshard):
 def test_compiled_full_checkpointing_around_sdpa(monkeypatch):
     """Full checkpointing around ``scaled_dot_product_attention``, compiled (4 fake ranks): the
     step runs and the recompute gathers each block again."""
-    import examples.llama
+    import benchmarks.common.llama
 
-    monkeypatch.setattr(examples.llama, "ATTENTION", "sdpa")
+    monkeypatch.setattr(benchmarks.common.llama, "ATTENTION", "sdpa")
     fake_process_group(4)
     model = data_parallel(llama("full"), make_mesh("fully_shard", 4))
     graphs = data_parallel_graphs(model, torch.randint(0, VOCAB, (2, 8)))

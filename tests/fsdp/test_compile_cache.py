@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 import passes
+from benchmarks.common.llama import Config, LlamaForCausalLM
 from compiled_hooks.fsdp import data_parallel
-from examples.llama import Config, LlamaForCausalLM
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow  # every job compiles or loads a whole model's step

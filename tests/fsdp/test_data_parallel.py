@@ -448,7 +448,7 @@ def test_identical_blocks_compiled_on_their_own_share_one_graph():
     compilation are ``test_composition.py``'s, on gloo ranks.)"""
     from torch._dynamo.utils import counters
 
-    from examples.llama import Config, LlamaForCausalLM
+    from benchmarks.common.llama import Config, LlamaForCausalLM
 
     fake_process_group(4)
     config = Config(layers=4)

@@ -14,10 +14,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import compiled_hooks as ch
 import passes
+from benchmarks.common.llama import Config, LlamaForCausalLM
 from compiled_hooks.fsdp import data_parallel, data_parallel_state, register_comm_hook
 from compiled_hooks.fsdp.gather import GATHER_OP
 from compiled_hooks.fsdp.regions import block_key
-from examples.llama import Config, LlamaForCausalLM
 from passes.testing import fake_process_group, gathered_bytes_alive
 from tests.graphs import data_parallel_graphs
 

@@ -225,11 +225,9 @@ def _quality_worker(rank, world_size, steps):
     """Final loss of the main example's training (SGD with momentum, 2 ranks, eager C++ reducer)
     with fp32 DDP, this PowerSGD (rank 4 from step 5) with and without error feedback, and
     torch's powerSGD_hook with the same hyperparameters."""
-    import sys
-
-    sys.path.insert(0, "examples")
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
-    from train_ddp import TinyTransformer, batch, loss_fn
+
+    from benchmarks.common.models import TinyTransformer, batch, loss_fn
 
     # torch's hook synchronizes the tensors' device whenever CUDA is available, which fails for
     # CPU tensors on a GPU machine; this rank's process runs on CPU only.

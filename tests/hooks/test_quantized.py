@@ -391,12 +391,9 @@ def _training_worker(rank, world_size, steps):
     """The main example's training (AdamW) with the bf16 hook, eager (the reference), and with
     the int8 hook, compiled DDP with the passes: per run the losses averaged over the ranks,
     and the final parameters."""
-    import sys
 
     import passes
-
-    sys.path.insert(0, "examples")
-    from train_ddp import TinyTransformer, batch, loss_fn
+    from benchmarks.common.models import TinyTransformer, batch, loss_fn
 
     out = {}
     for name, state, hook in [
@@ -447,15 +444,12 @@ def _data_parallel_training_worker(rank, world_size, steps):
     """The main example's transformer under data_parallel: the bf16 hook, eager (the
     reference), and int8 gradients (error feedback) with int8 weight gathers, compiled with the
     passes; per run the losses averaged over the ranks and the final full parameters."""
-    import sys
 
     from torch.distributed.device_mesh import init_device_mesh
 
     import passes
+    from benchmarks.common.models import TinyTransformer, batch, loss_fn
     from compiled_hooks.fsdp import data_parallel, register_comm_hook
-
-    sys.path.insert(0, "examples")
-    from train_ddp import TinyTransformer, batch, loss_fn
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}

@@ -324,15 +324,11 @@ def test_state_layout_keeps_the_buffers_size(world_size):
     parameter whole; a planned bucket's members sit at their places in its run; the buffers
     are as long as the most loaded rank's state (no padding), as without runs."""
     import random
-    import sys
-    from pathlib import Path
 
+    from benchmarks.common.models import TinyTransformer
     from compiled_hooks.zero import lay_out_state
     from compiled_hooks.zero.layout import owner_rows
     from tests.graphs import zero_optimizer
-
-    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-    from train_ddp import TinyTransformer
 
     rng = random.Random(world_size)
     cases = [

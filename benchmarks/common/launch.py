@@ -11,9 +11,9 @@ needs root, ``ip`` and ``tc``; without them the benchmark says why and runs over
 
 ``describe_link()`` is the line a benchmark prints so its table says where it was measured.
 ``add_smoke_argument`` / ``apply_smoke`` give a step benchmark its ``--smoke`` run.
-The group itself is the examples' (``examples/train_ddp.py``'s ``launch``): under torchrun, or
-on the link, each rank joins from the environment; otherwise ``args.world_size`` ranks are
-spawned over loopback. A worker returning False makes its process exit with code 1.
+The group is gloo's on CPU: under torchrun, or on the link, each rank joins from the environment;
+otherwise ``args.world_size`` ranks (default 2) are spawned over loopback. A worker returning
+False makes its process exit with code 1.
 """
 
 from __future__ import annotations
@@ -22,21 +22,38 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_ddp import launch as launch_ranks
+import torch.multiprocessing as mp
 
 _RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
 _LINK_ENV = "BENCH_LINK"  # set in the ranks started on a shaped link: its rate
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def module_command(name: str, *args: str) -> list[str]:
+    """The command that runs the benchmark ``name`` (``python -m benchmarks.<name>``); run it
+    with ``cwd=ROOT``, the repository root, where ``benchmarks`` imports."""
+    return [sys.executable, "-m", f"benchmarks.{name}", *args]
+
+
+def this_command() -> list[str]:
+    """The command that started this process, to start it again (from :data:`ROOT`)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None:  # python -m benchmarks.<name>
+        return [sys.executable, "-m", spec.name, *sys.argv[1:]]
+    return [sys.executable, *sys.argv]
 
 
 def link_rate(text: str) -> str:
@@ -189,10 +206,12 @@ def run_on_link(rate: str, argv: list[str]) -> int:
                 ["ip", "netns", "exec", ns[1], *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                cwd=ROOT,
                 env=dict(env, RANK="1", GLOO_SOCKET_IFNAME=dev[1]),
             )
             rc0 = subprocess.call(
                 ["ip", "netns", "exec", ns[0], *argv],
+                cwd=ROOT,
                 env=dict(env, RANK="0", GLOO_SOCKET_IFNAME=dev[0]),
             )
             rc1 = rank1.wait()
@@ -236,6 +255,40 @@ def _make_link(rate: str, ns: tuple[str, str], dev: tuple[str, str], addr: tuple
         )
 
 
+def _in_group(
+    rank: int, world_size: int, port: int | None, worker: Callable[..., bool], args: Any
+) -> None:
+    """``worker(rank, world_size, args)`` in a gloo group; exit code 1 when it returns False."""
+    if port is None:  # torchrun, or the shaped link: rank and rendezvous from the environment
+        dist.init_process_group("gloo")
+    else:
+        torch.set_num_threads(1)  # the spawned ranks share this machine's cores
+        # as torchrun says it: every rank on this host (the passes' gloo defaults read it)
+        os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+    try:
+        ok = worker(dist.get_rank(), dist.get_world_size(), args)
+        dist.barrier()  # gloo aborts a process whose peer tore the group down first
+    finally:
+        dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
+
+
+def launch_ranks(worker: Callable[..., bool], args: argparse.Namespace) -> None:
+    """Under torchrun (or on the link) run this rank; otherwise spawn ``args.world_size`` (2)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _in_group(-1, -1, None, worker, args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world_size = getattr(args, "world_size", None) or 2
+    mp.spawn(_in_group, args=(world_size, port, worker, args), nprocs=world_size)
+
+
 def launch(
     worker: Callable[[int, int, argparse.Namespace], bool], args: argparse.Namespace
 ) -> None:
@@ -244,7 +297,7 @@ def launch(
         problem = link_problem()
         if problem is None:
             try:
-                sys.exit(run_on_link(args.link, [sys.executable, *sys.argv]))
+                sys.exit(run_on_link(args.link, this_command()))
             except LinkUnavailable as e:
                 problem = f"could not set up the link ({e})"
         print(f"--link {args.link}: {problem}; measuring over loopback instead", flush=True)

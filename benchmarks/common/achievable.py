@@ -27,9 +27,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
-from launch import itemsize, link_bytes_per_s, median_ms
 
 from passes.core.groups import ALL_TO_ALL_CHUNK_BYTES
+
+from .launch import itemsize, link_bytes_per_s, median_ms
 
 TRAFFIC_ROW = "compute alone, gloo traffic at the link rate alongside"
 

@@ -8,7 +8,7 @@ Every benchmark prints Markdown tables; with these options rank 0 also writes th
 
 and a PNG: one panel per table, a bar per configuration (its ``value``, e.g. the median step),
 labelled with its ratio, and the table's bound as a dashed line where it has one.
-``python benchmarks/results.py RESULTS.json OUT.png`` redraws a PNG from a JSON file.
+``python -m benchmarks.plot RESULTS.json OUT.png`` redraws a PNG from a JSON file.
 matplotlib is needed for plots only: ``pip install -e ".[bench]"``.
 """
 
@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 
-def _plot_path(path: str) -> str:
+def plot_path(path: str) -> str:
     """``--plot``'s value, refused while parsing (not after the run) without matplotlib."""
     try:
         import matplotlib  # noqa: F401
@@ -38,7 +38,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot",
         metavar="PATH",
-        type=_plot_path,
+        type=plot_path,
         help="draw the results as a PNG (rank 0; needs matplotlib)",
     )
 
@@ -112,7 +112,7 @@ def write(
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    """Draw ``results`` as a PNG at ``path`` (its argument parsed by :func:`_plot_path`, which
+    """Draw ``results`` as a PNG at ``path`` (its argument parsed by :func:`plot_path`, which
     checks for matplotlib)."""
     import matplotlib
 
@@ -159,12 +159,3 @@ def plot(results: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Redraw a benchmark's PNG from its --json file.")
-    parser.add_argument("results")
-    parser.add_argument("png", type=_plot_path)
-    cli = parser.parse_args()
-    with open(cli.results) as f:
-        plot(json.load(f), cli.png)
