@@ -18,7 +18,7 @@ copy of ``N * x`` per collective. An input of more than ``all_to_all_chunk_bytes
 several all_to_alls of at most that many bytes per destination, all issued where the all_gather
 was and all waited for where its wait was (gloo moves one large all_to_all well below a
 bandwidth-bound link's rate, pieces close to it; by default ``ALL_TO_ALL_CHUNK_BYTES`` where the
-ranks span hosts, one all_to_all where they share one: ``_groups.resolve_chunk_bytes``);
+ranks span hosts, one all_to_all where they share one: ``core.groups.resolve_chunk_bytes``);
 the pieces' rank-major outputs are joined back into the all_gather's::
 
     ag = all_gather_into_tensor(x, N, G)
@@ -86,7 +86,7 @@ class Options:
     all_gather_backends: Collection[str] = ALL_TO_ALL_BACKENDS
     """Backends whose all-gathers are rewritten."""
     all_to_all_chunk_bytes: int | None = None
-    """Most bytes per destination of one all_to_all (``_groups.resolve_chunk_bytes``)."""
+    """Most bytes per destination of one all_to_all (``core.groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(

@@ -5,7 +5,7 @@ The ZeRO step (:mod:`compiled_hooks.zero`, both layouts) reduces a flat gradient
 ``N`` rows, reads only this rank's row, updates it, and rebuilds every row from its owner's
 broadcast. On gloo this pass makes that exchange out of all_to_all (each rank is sent only its
 row, and sums the N rows it receives) and all_gather, in pieces of at most
-``all_to_all_chunk_bytes`` per destination (``_groups.resolve_chunk_bytes``; why gloo needs
+``all_to_all_chunk_bytes`` per destination (``core.groups.resolve_chunk_bytes``; why gloo needs
 both, docs/passes.md). Two independent rewrites, each exact on its own:
 
 1. *own row of an all_reduce* (sum or avg; matched as ``shard_weight_update`` matches it)::
@@ -251,7 +251,7 @@ class Options:
     all_to_all_backends: Collection[str] = ALL_TO_ALL_BACKENDS
     """Backends whose weight exchange is rewritten."""
     all_to_all_chunk_bytes: int | None = None
-    """Most bytes per destination of one all_to_all (``_groups.resolve_chunk_bytes``)."""
+    """Most bytes per destination of one all_to_all (``core.groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(options=Options, after=("shard_weight_update",))

@@ -1,12 +1,11 @@
 """gloo: every functional ``reduce_scatter_tensor`` becomes an ``all_to_all_single`` and a local
 sum, because gloo's reduce-scatter is slow.
 
-On gloo (torch 2.13) a reduce-scatter takes longer than an all-reduce of the same tensor, which
-moves twice the bytes, and longer than an all-to-all of it (measured on the shaped link:
-docs/benchmarks.md, "Collective costs on gloo"). An all-to-all sends every
-rank the same bytes a ring reduce-scatter does, ``(N - 1) / N`` of the input; each rank then adds
-up the ``N`` pieces it received, in rank order, accumulating in fp32 when the wire dtype is
-narrower::
+On gloo a reduce-scatter takes longer than an all-reduce of the same tensor, which moves twice
+the bytes, and longer than an all-to-all of it (docs/benchmarks.md, "Collective costs on gloo",
+has the figures). An all-to-all sends every rank the same bytes a ring reduce-scatter does,
+``(N - 1) / N`` of the input; each rank then adds up the ``N`` pieces it received, in rank
+order, accumulating in fp32 when the wire dtype is narrower::
 
     r = reduce_scatter_tensor(x, "avg", N, G)   ->  a = all_to_all_single(x, [d] * N, [d] * N, G)
     w = wait_tensor(r)                               w = wait_tensor(a)     # d = x.size(0) / N
@@ -78,7 +77,7 @@ class Options:
     reduce_scatter_backends: Collection[str] = ALL_TO_ALL_BACKENDS
     """Backends whose reduce-scatters are rewritten."""
     all_to_all_chunk_bytes: int | None = None
-    """Most bytes per destination of one all_to_all (``_groups.resolve_chunk_bytes``)."""
+    """Most bytes per destination of one all_to_all (``core.groups.resolve_chunk_bytes``)."""
 
 
 @graph_pass(

@@ -145,6 +145,21 @@ def test_passes_read_the_hooks_through_the_contract_module():
     assert any("compiled_hooks.graph_contract" in graph[m] for m in graph if m.startswith("passes"))
 
 
+def test_fsdp_imports_no_int8_module():
+    """``data_parallel`` reaches the int8 state through the hook states' interface and the int8
+    weight gather through ``compiled_hooks.weight_gathers``, never by importing ``int8``."""
+    graph = import_graph()
+    fsdp = {m: imps for m, imps in graph.items() if m.startswith("compiled_hooks.fsdp")}
+    assert len(fsdp) >= 10
+    assert {m: sorted(i for i in imps if "int8" in i) for m, imps in fsdp.items()} == {
+        m: [] for m in fsdp
+    }
+    mutant = _imports(
+        "compiled_hooks.fsdp.gather", "from ..int8.codec import quantize\n", False, set(graph)
+    )
+    assert mutant == {"compiled_hooks.int8.codec"}
+
+
 def test_no_import_cycle():
     assert _cycle(import_graph()) == []
 
