@@ -363,7 +363,6 @@ def data_parallel(
             _swap_class(m, [], "block")
         _managed(m)._data_parallel_block = _block(m)
     for m in module.modules():
-        _managed(m)._data_parallel_root = dp
         attach(m, dp)
     root = _managed(module)
     dp.gathers = Gathers(dp.reduction, [layout for _, layout in sharded.values()])

@@ -127,18 +127,16 @@ class DataParallelState:
                 r.replica_state.prepare(layout.name, out, device, reduce_scatter=False)
 
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, DataParallelState] = weakref.WeakKeyDictionary()
-
-
 def attach(module: nn.Module, dp: DataParallelState) -> None:
-    """Make ``dp`` the state of ``module`` (a module ``data_parallel`` manages)."""
-    _STATES[module] = dp
+    """Make ``dp`` the state of ``module`` (a module ``data_parallel`` manages), as
+    ``module._data_parallel_root``: the attribute a traced forward reads."""
+    module._data_parallel_root = dp  # type: ignore[assignment]
 
 
 def data_parallel_state(module: nn.Module) -> DataParallelState | None:
     """The state of the ``data_parallel`` root that manages ``module`` (the root or a module
     under it); None for a module no ``data_parallel`` manages."""
-    return _STATES.get(module)
+    return getattr(module, "_data_parallel_root", None)
 
 
 class Completed(UnshardHandle):
@@ -169,15 +167,12 @@ class DataParallelModule:
     (see the module docstring). ``recurse`` is accepted for FSDP2's signature: one root's
     switches apply to all its blocks."""
 
-    def _root_state(self) -> DataParallelState:
-        dp = data_parallel_state(cast(nn.Module, self))
-        assert dp is not None, "data_parallel attaches the root's state before it returns"
-        return dp
+    _data_parallel_root: DataParallelState  # set by attach(), on every module it manages
 
     def _state(self, switch: str) -> DataParallelState:
         """The root's state, checked to be outside its forward (where a switch would split one
         step's gradients between two modes)."""
-        dp = self._root_state()
+        dp = self._data_parallel_root
         if dp.gathered:
             raise RuntimeError(
                 f"{switch}: called inside the data_parallel module's forward; set it between "
@@ -244,7 +239,7 @@ class DataParallelModule:
         """The module's own ``_apply`` (a stage's skips ``FSDPModule``'s, which reads an FSDP2
         state), then its accumulators made again like its parameters now are (after
         ``.to(torch.float64)``, say)."""
-        dp = self._root_state()
+        dp = self._data_parallel_root
         acc = dp.reduction.accumulation
         if acc.pending_bytes():
             raise RuntimeError(
