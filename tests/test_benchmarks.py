@@ -60,6 +60,8 @@ def test_every_script_has_a_smoke_entry():
 def test_help(script, monkeypatch):
     """``--help`` prints the script's usage and exits 0: it imports, and its options parse."""
     monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    # run as __main__ on its own, not beside the module another test imported
+    monkeypatch.delitem(sys.modules, f"benchmarks.{script}", raising=False)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
         runpy.run_module(f"benchmarks.{script}", run_name="__main__")
