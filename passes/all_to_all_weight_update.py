@@ -22,10 +22,9 @@ both, docs/passes.md). Two independent rewrites, each exact on its own:
 
    Row j of the all_to_all's output is rank j's gradient for this rank's row; their sum is
    what the all_reduce gave this row (bit for bit on 2 ranks, where each element is one
-   addition; on more ranks gloo's ring adds in another order, within rounding). Where ``x``
-   is a bucket packed by a ``cat`` of 1-D members (the ZeRO hooks'), each chunk is written
-   straight from the members' slices, the hook's scales and casts applied to each (as
-   ``fuse_cat_prologue`` does), so the bucket is never packed whole and copied again.
+   addition; on more ranks gloo's ring adds in another order, within rounding). A bucket
+   packed by a ``cat`` of members (the ZeRO hooks') is never packed whole: each chunk is
+   written from the members (:func:`_packed_rows`).
 2. *owner broadcasts* of a flat ``y`` from every rank in rank order::
 
        full = cat([wait(broadcast(y, 0, G)), ..., wait(broadcast(y, N-1, G))])
@@ -33,10 +32,9 @@ both, docs/passes.md). Two independent rewrites, each exact on its own:
        g_k = view(wait(all_gather_into_tensor(y[k-th chunk], N, G)), [N, chunk])
        full = view(cat([g_0, g_1, ...], 1), [N * c])
 
-   and a read of row ``r``'s columns ``a:b`` of ``full`` (the write-back of one member,
-   ``view(full, [N, c])[r, a:b]``) reads the chunks instead: ``g_k[r, a - lo_k:b - lo_k]``
-   within one chunk, a ``cat`` of its parts across two. The join of all rows, which Inductor
-   makes a copy of its own on CPU, is then not made unless something else reads it.
+   and a member's write-back, ``view(full, [N, c])[r, a:b]``, reads the chunks that hold it
+   instead, so the join of all rows is not made where nothing else reads it
+   (:func:`_read_chunks`).
 
 Only where the backend is in ``all_to_all_backends`` (default gloo: NCCL and the fake test
 backend get ``shard_weight_update``'s reduce_scatter); others are left alone and counted. Runs
