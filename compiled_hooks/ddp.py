@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from . import compat
-from .hook_kind import hook_kind, mark_wrapper
+from .hook_kind import hook_kind, mark_wrapper, reduce_async_of
 
 __all__ = ["ddp_comm_hook", "compile_ddp", "compiled_autograd"]
 
@@ -94,7 +94,7 @@ def reduce_buffer(
     """``hook(state, grad)`` on a C++-reducer bucket's flat ``buffer``: its async form
     (``hook.reduce_async``) when it has one, a pending future; else run to completion, a done
     one."""
-    reduce_async = hook_kind(hook, "reduce_buffer").reduce_async
+    reduce_async = reduce_async_of(hook)
     if reduce_async is not None:
         return reduce_async(state, buffer)
     hook(state, buffer)

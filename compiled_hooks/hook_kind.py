@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HookKind", "hook_kind", "give_reduce_async", "mark_wrapper"]
+__all__ = ["HookKind", "hook_kind", "give_reduce_async", "reduce_async_of", "mark_wrapper"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def hook_kind(hook: Any, caller: str) -> HookKind:
         reduce_scatter=required <= 3 <= accepted,
         per_parameter="param" in params,
         grad_bucket=len(positional) >= 2 and positional[1].name == "bucket",
-        reduce_async=getattr(fn, "reduce_async", None),
+        reduce_async=reduce_async_of(fn),
     )
 
 
@@ -65,6 +65,11 @@ def give_reduce_async(hook: Callable[..., Any], reduce_async: Callable[..., Any]
     """Make ``reduce_async(state, grad) -> Future`` the form of ``hook`` for DDP's C++ reducer,
     public as ``hook.reduce_async`` and read by :func:`hook_kind`."""
     setattr(hook, "reduce_async", reduce_async)  # noqa: B010 - a function object's attribute
+
+
+def reduce_async_of(hook: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The form :func:`give_reduce_async` gave ``hook``, if any (cheap: no signature read)."""
+    return getattr(hook, "reduce_async", None)
 
 
 def mark_wrapper(wrapper: Callable[..., Any], hook: Callable[..., Any]) -> None:
