@@ -4,8 +4,7 @@ A *ZeRO broadcast* is a functional ``broadcast`` (or the ``all_gather`` that
 ``shard_weight_update`` makes of the owners' broadcasts) with a single ``wait_tensor`` whose
 input depends on the wait of a gradient collective (``all_reduce`` / ``reduce_scatter``): the
 new value of a parameter, computed by its owner from the reduced gradient
-(:mod:`compiled_hooks.zero`); never an int8 hook's all-gather (of int8 rows), which follows
-an all-to-all in the same shape. Its *update* is every node it depends on that comes after that
+(:mod:`compiled_hooks.zero`). Its *update* is every node it depends on that comes after that
 gradient wait.
 
 The schedule follows the graph it is given, which the two ZeRO hooks make different:
@@ -65,6 +64,9 @@ GRADIENT_COLLECTIVES = COLLECTIVES + (ALL_TO_ALL,)
 
 
 def _zero_broadcasts(graph: Graph) -> list[Node]:
+    """The broadcasts and all-gathers with a single wait, never an int8 hook's all-gather (of
+    int8 rows), which follows an all-to-all in the same shape: the ZeRO broadcasts, where they
+    depend on a gradient collective's wait (the module docstring)."""
     return [
         n
         for n in calls(graph, (BROADCAST, ALL_GATHER))
