@@ -226,20 +226,25 @@ def _by_string(node: ast.AST) -> str | None:
     return None
 
 
+def _stored_attributes(tree: ast.AST, on_self: bool = True) -> set[str]:
+    """The attributes a module stores (``x.name = ...``, ``setattr(x, "name", ...)``); with
+    ``on_self=False``, only on objects other than ``self`` / ``cls``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if on_self or not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
+                names.add(node.attr)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            names.add(_by_string(node) or "")
+    return names
+
+
 def _private_stores(tree: ast.AST) -> set[str]:
     """The private attributes a module stores on objects other than ``self`` / ``cls``
     (``module._x = ...``, ``setattr(module, "_x", ...)``)."""
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.ctx, ast.Store)
-            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
-        ):
-            names.add(node.attr)
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
-            names.add(_by_string(node) or "")
-    return {n for n in names if _is_private(n)}
+    return {n for n in _stored_attributes(tree, on_self=False) if _is_private(n)}
 
 
 def _private_uses(tree: ast.AST) -> set[tuple[int, str]]:
@@ -334,13 +339,7 @@ def attribute_reads_by_string(
     and its kin), an attribute (no dunder) that another library module gives objects (by a
     store or a ``setattr``, on ``self`` or on another object) and ``module`` does not."""
     trees = _library_trees() if trees is None else trees
-    given: dict[str, set[str]] = {m: set() for m in trees}
-    for m, tree in trees.items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                given[m].add(node.attr)
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
-                given[m].add(_by_string(node) or "")
+    given = {m: _stored_attributes(tree) for m, tree in trees.items()}
     found: dict[tuple[str, str], list[int]] = {}
     for m, tree in trees.items():
         for node in ast.walk(tree):

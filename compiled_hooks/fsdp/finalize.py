@@ -18,7 +18,7 @@ on every rank.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -32,16 +32,12 @@ __all__ = ["reduce_accumulated"]
 
 
 def reduce_accumulated(
-    slots: Iterable[tuple[Any, nn.Module, str, Layout]], reduction: Reduction
+    parameters: Iterable[tuple[nn.Module, str, Layout]], reduction: Reduction
 ) -> None:
-    """Reduce every gradient ``reduction`` holds accumulated for the parameters of ``slots``
-    (``DataParallelState.accumulator_slots``) into their ``.grad``, and drop it."""
+    """Reduce every gradient ``reduction`` holds accumulated for ``parameters`` (each once, as
+    ``DataParallelState.parameters()`` gives them) into their ``.grad``, and drop it."""
     blocks: dict[str, list[tuple[DTensor, Layout, torch.Tensor]]] = {}
-    seen: set[str] = set()
-    for _, module, attr, layout in slots:
-        if layout.name in seen:  # a parameter of several modules: one slot each
-            continue
-        seen.add(layout.name)
+    for module, attr, layout in parameters:
         pending = reduction.accumulation.take(layout.name)
         if pending is not None:
             param = cast(DTensor, module.get_parameter(attr))

@@ -97,6 +97,14 @@ class DataParallelState:
         # attributes that a traced forward reads, the module, the attribute, its layout)
         self.accumulator_slots: list[tuple[dict[str, Any], nn.Module, str, Layout]] = []
 
+    def parameters(self) -> list[tuple[nn.Module, str, Layout]]:
+        """Each parameter once, as (a module that holds it, its attribute there, its layout):
+        a parameter of several modules has a slot in each."""
+        seen: dict[str, tuple[nn.Module, str, Layout]] = {}
+        for _, module, attr, layout in self.accumulator_slots:
+            seen.setdefault(layout.name, (module, attr, layout))
+        return list(seen.values())
+
     def set_comm_hook(
         self,
         hook: Callable[..., Any],
@@ -115,11 +123,7 @@ class DataParallelState:
             assert self.replicate_group is not None, "a replica hook reduces over the replicas"
             r.replica_hook, r.replica_state = replica_hook, state.for_group(self.replicate_group)
         self.comm_hook, self.comm_hook_state = hook, state
-        prepared: set[str] = set()
-        for _, module, attr, layout in self.accumulator_slots:
-            if layout.name in prepared:  # a parameter of several modules: one slot each
-                continue
-            prepared.add(layout.name)
+        for module, attr, layout in self.parameters():
             device = module.get_parameter(attr).device
             grad, out = r.hook_shapes(layout)
             r.state.prepare(layout.name, grad, device, reduce_scatter=out is not None)
@@ -232,7 +236,7 @@ class DataParallelModule:
         ``.grad`` (:mod:`.finalize`), if gradient sync is on; it is kept otherwise."""
         dp = self._state("finalize_backward")
         if dp.reduction.accumulation.sync:
-            reduce_accumulated(dp.accumulator_slots, dp.reduction)
+            reduce_accumulated(dp.parameters(), dp.reduction)
         return Completed() if _check_bool(async_op, "finalize_backward", "async_op") else None
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:

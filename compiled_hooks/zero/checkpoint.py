@@ -12,7 +12,7 @@ Parameters map by position, as in ``torch.optim``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,14 +39,16 @@ def local_entry(storage: Storage, steps: torch.Tensor, i: int) -> dict[str, Any]
 
 
 class LocalState(Mapping):
-    """``optimizer.state``, read-only: parameter -> its :func:`local_entry` (``index``: the
-    parameters' ids -> their indices in ``storage``)."""
+    """``optimizer.state``, read-only: parameter -> its :func:`local_entry` (``index_of``: a
+    parameter's index in ``storage``, raising for one the optimizer does not hold)."""
 
-    def __init__(self, storage: Storage, steps: torch.Tensor, index: dict[int, int]):
-        self.storage, self.steps, self.index = storage, steps, index
+    def __init__(
+        self, storage: Storage, steps: torch.Tensor, index_of: Callable[[torch.Tensor], int]
+    ):
+        self.storage, self.steps, self.index_of = storage, steps, index_of
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
-        return local_entry(self.storage, self.steps, self.index[id(param)])
+        return local_entry(self.storage, self.steps, self.index_of(param))
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self.storage.params)

@@ -167,7 +167,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.storage: Storage = strategy(params, names.pop(), self.process_group)
         self._row_buckets = frozenset()
         self._consolidated: tuple[torch.Tensor, dict[str, Any]] | None = None
-        self.state = LocalState(self.storage, self._steps, self._index)  # type: ignore[assignment]
+        self.state = LocalState(self.storage, self._steps, self.index_of)  # type: ignore[assignment]
         self._built = True
 
     def _own_row_buckets(self) -> frozenset[tuple[int, ...]]:
