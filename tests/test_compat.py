@@ -204,3 +204,35 @@ def test_region_lowering_keeps_its_inputs(monkeypatch):
         assert lowered() is None
     assert SubgraphLowering.__init__ is inherits  # restored on exit
     assert lowered() == [0, 1]
+
+
+def _dtensor_keys(rank, world_size):
+    """AOTAutograd's cache keys, on this rank of a 2 x 2 ("pp", "dp") mesh, of ``Shard(0)``
+    DTensors over "dp": 13 rows (7 and 6 per rank) and 16 rows (8 each), before and after
+    ``key_dtensors_by_rank``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    tensors = [distribute_tensor(torch.ones(rows, 4), dp, [Shard(0)]) for rows in (13, 16)]
+    before = [compat.dtensor_cache_key(t) for t in tensors]
+    compat.key_dtensors_by_rank()
+    compat.key_dtensors_by_rank()  # once is enough; a second call adds nothing
+    return before, [compat.dtensor_cache_key(t) for t in tensors]
+
+
+def test_ranks_key_their_own_dtensors_for_aotautograds_cache():
+    """Ranks that share a cache dir must not load each other's graphs of a DTensor input: the
+    graph holds the rank's shard shape (uneven: ranks 0 and 1) and its groups' names (the "dp"
+    groups of pipeline ranks 0 and 1, ranks 0 and 2). Each rank's key is its own."""
+    from tests.ranks import run_ranks
+
+    results = run_ranks(_dtensor_keys, 4)
+    if results[0][0][0] is None:
+        pytest.skip(f"torch {torch.__version__} keys no DTensor input for AOTAutograd's cache")
+    for rows in range(2):
+        after = [r[1][rows] for r in results]
+        assert len(set(after)) == 4, after  # every rank its own key
+    assert all(r[1][0] != r[1][1] for r in results)  # and every shape its own
+    again = run_ranks(_dtensor_keys, 4)
+    assert [r[1] for r in again] == [r[1] for r in results]  # stable across processes

@@ -1,7 +1,7 @@
 """The torch internals this distribution relies on across releases, each read in this package and
 nowhere else: the names in :data:`OWNED` (FSDP2's in :mod:`.fsdp2`, ``invoke_subgraph``'s in
-:mod:`.regions`, pipelining's in :mod:`.pipeline`, autograd's and DDP's in :mod:`.autograd`;
-all re-exported here).
+:mod:`.regions`, pipelining's in :mod:`.pipeline`, autograd's and DDP's in :mod:`.autograd`,
+AOTAutograd's cache key of a DTensor in :mod:`.dtensor_cache`; all re-exported here).
 
 The packages support torch 2.11 to 2.15 (:data:`SUPPORTED`). They rely on names that torch
 does not promise to keep: functional collectives, FSDP2's parameter groups, Inductor's
@@ -60,6 +60,7 @@ from .autograd import (
     queue_backward_callback,
     set_python_reducer,
 )
+from .dtensor_cache import dtensor_cache_key, key_dtensors_by_rank
 from .fsdp2 import (
     FSDP_GROUPS,
     FSDPGroupLayout,
@@ -110,6 +111,8 @@ __all__ = [
     "region_inputs_kept",
     "root_mesh",
     "pipeline_stage_state",
+    "key_dtensors_by_rank",
+    "dtensor_cache_key",
     "FSDPReduceScatter",
     "FSDPGroupLayout",
     "fsdp_is_root",
@@ -166,6 +169,9 @@ OWNED = (
     "_execution_engine",
     "disable_fake_tensor_cache",
     "register_log",
+    "_stable_hash_for_caching",
+    "_local_tensor",
+    "maybe_unwrap_fake_script_object",
 )
 
 

@@ -317,6 +317,7 @@ def data_parallel(
     as torchtitan's under PP (True otherwise).
     """
     check_arguments(module, mesh, mode, mp_policy, reshard_after_forward, gather_dtype)
+    compat.key_dtensors_by_rank()  # ranks sharing a cache dir load their own graphs
     stage = PIPELINE_DIM in (compat.root_mesh(mesh).mesh_dim_names or ())
     if reshard_after_forward is None:
         reshard_after_forward = not stage

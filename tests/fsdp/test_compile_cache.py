@@ -1,7 +1,8 @@
 """A compiled ``data_parallel`` step restarts from Inductor's caches: a second job on the same
 cache dir, or a fresh job that loads ``torch.compiler.save_cache_artifacts()``, compiles no
-graph again (AOTAutograd's and the FX graph cache's counters), and the rank guard passes when
-ranks start from different cache states."""
+graph again (AOTAutograd's and the FX graph cache's counters), ranks sharing one cache dir each
+load their own graphs, and the rank guard passes when ranks start from different cache
+states."""
 
 import os
 
@@ -14,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import passes
 from benchmarks.common.llama import Config, LlamaForCausalLM
 from compiled_hooks.fsdp import data_parallel
+from tests.fsdp.test_data_parallel import Net
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow  # every job compiles or loads a whole model's step
@@ -22,10 +24,9 @@ TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 def step_job(rank, world_size, cache_dirs, loads, save):
     """One compiled step of a tiny Llama under ``data_parallel`` and the passes (the rank guard
-    on), on this rank's cache dir, after loading this rank's artifacts file ``loads[rank]``
-    (None: nothing);
-    rank 0 saves the artifacts of its compile to ``save``. What the caches and the guard
-    counted, and the loss."""
+    on), on this rank's cache dir, after loading the artifacts file ``loads[rank]`` (None:
+    nothing); each rank saves the artifacts of its compile to ``save`` + its rank (None: none).
+    What the caches and the guard counted, and the loss."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
     counters.clear()
     if loads[rank] is not None:
@@ -37,10 +38,10 @@ def step_job(rank, world_size, cache_dirs, loads, save):
     with passes.install(check_ranks=True):
         loss = torch.compile(model, fullgraph=True)(tokens).square().mean()
         loss.backward()
-    if save is not None and rank == 0:
+    if save is not None:
         artifacts = torch.compiler.save_cache_artifacts()
         assert artifacts is not None
-        with open(save, "wb") as f:
+        with open(f"{save}{rank}", "wb") as f:
             f.write(artifacts[0])
     dist.barrier()
     return {
@@ -65,7 +66,7 @@ def compiled_nothing(out):
 
 def test_restarts_and_shipped_artifacts_compile_nothing(tmp_path):
     first, fresh, fresh2, cold = (str(tmp_path / d) for d in ("first", "fresh", "fresh2", "cold"))
-    shipped = str(tmp_path / "artifacts.bin")
+    shipped = str(tmp_path / "artifacts.bin.")  # rank r's file: this and r
     cold_job = run_ranks(step_job, 2, [first, first], [None, None], shipped, timeout=400)
     if TORCH < (2, 12) and cold_job[0]["aot"].get("autograd_cache_bypass"):
         pytest.skip(
@@ -76,14 +77,41 @@ def test_restarts_and_shipped_artifacts_compile_nothing(tmp_path):
     for out in cold_job:
         assert out["aot"].get("autograd_cache_miss", 0) >= 1, out  # it compiled
         assert not out["aot"].get("autograd_cache_bypass"), out  # and could be cached
-    # rank 0 restarts on its cache dir; rank 1 starts on an empty one, the artifacts shipped to it
+    # rank 0 restarts on its cache dir; rank 1 starts on an empty one, its artifacts shipped to it
     restarted, shipped_to = run_ranks(
-        step_job, 2, [first, fresh], [None, shipped], None, timeout=400
+        step_job, 2, [first, fresh], [None, f"{shipped}1"], None, timeout=400
     )
     for out in (restarted, shipped_to):
         assert compiled_nothing(out), out
         assert out["loss"] == cold_job[0]["loss"]
     # ranks in different cache states: rank 0 loads the artifacts, rank 1 compiles
-    warm0, cold1 = run_ranks(step_job, 2, [fresh2, cold], [shipped, None], None, timeout=400)
+    warm0, cold1 = run_ranks(step_job, 2, [fresh2, cold], [f"{shipped}0", None], None, timeout=400)
     assert compiled_nothing(warm0) and not compiled_nothing(cold1), (warm0, cold1)
     assert warm0["checked"] == cold1["checked"] >= 1, (warm0, cold1)  # checked, and it passed
+
+
+def uneven_job(rank, world_size, cache_dir):
+    """One compiled step of ``Net`` (shards of 7 and 6 rows) on ``cache_dir``, shared by the
+    ranks: what AOTAutograd's cache counted, and the loss."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    counters.clear()
+    model = data_parallel(Net(), init_device_mesh("cpu", (world_size,)))
+    tokens = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(rank))
+    loss = torch.compile(model, fullgraph=True)(tokens).square().mean()
+    loss.backward()
+    return {"aot": dict(counters["aot_autograd"]), "loss": loss.item()}
+
+
+def test_ranks_sharing_a_cache_dir_load_their_own_graphs(tmp_path):
+    """torch 2.13 to 2.15 key a DTensor input by its global spec alone, so rank 1 loaded rank
+    0's graph (a shard of 7 rows where it holds 6) until ``compat.key_dtensors_by_rank``."""
+    shared = str(tmp_path / "shared")
+    cold = run_ranks(uneven_job, 2, shared, timeout=400)
+    warm = run_ranks(uneven_job, 2, shared, timeout=400)
+    if TORCH < (2, 12) and cold[0]["aot"].get("autograd_cache_bypass"):
+        pytest.skip(f"torch {torch.__version__}: AOTAutograd's cache refuses these graphs")
+    for before, after in zip(cold, warm):
+        assert after["aot"].get("autograd_cache_hit", 0) >= 1, after
+        assert not after["aot"].get("autograd_cache_miss"), after
+        assert after["loss"] == before["loss"], (before, after)
+    assert cold[0]["loss"] != cold[1]["loss"]  # the ranks' steps differ: each ran its own
