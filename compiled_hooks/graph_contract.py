@@ -33,6 +33,8 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
   ``invoke_subgraph`` region on its gathered parameters; the gathers and reductions stay outside
   it. The passes turn the switch on with the joint-graph rewrite that keeps
   ``reshard_after_forward`` (``passes.forward_region_inputs``).
+- **A block's bucket copies** (:mod:`.bucket_copies`): the passes write a block bucket's
+  copy-in as :data:`BUCKET_PACK` and an all-gather bucket's copy-out as :data:`BUCKET_UNPACK`.
 - **The rank guard**: :data:`CHECK_RANKS`, inserted by ``passes.insert_rank_guard``, runs
   :func:`compiled_hooks.rank_guard.check`.
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import os
 
+from .bucket_copies import BUCKET_PACK, BUCKET_UNPACK
 from .int8.ops import DEQUANTIZE_PACKED
 from .marks import BLOCK, INT8, blocks_compile_once, compile_blocks_once
 from .powersgd.ops import POWERSGD_COUNT
@@ -52,6 +55,8 @@ from .zero.group_rank import GROUP_RANK
 
 __all__ = [
     "BLOCK",
+    "BUCKET_PACK",
+    "BUCKET_UNPACK",
     "INT8",
     "CHECK_RANKS",
     "CHECK_RANKS_ENV",

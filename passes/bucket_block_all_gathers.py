@@ -1,22 +1,22 @@
-"""bucket_block_all_gathers: one all-gather per ``data_parallel`` block, the casts written into
-the bucket.
+"""bucket_block_all_gathers: one all-gather per ``data_parallel`` block, its copies in and out
+one opaque call each.
 
 ``compiled_hooks.fsdp.data_parallel`` gathers every parameter on its own and marks each
 all-gather with its block (``node.meta["custom"]["data_parallel_block"]``). This pass merges the
 all-gathers of one block (same group, wire dtype and device) into one, in forward and in the
 backward's re-gather. Every member's input ops (the slice of the flat shard, the cast to
-``param_dtype``, the padding: the nodes that feed only that all-gather) move next to the bucket's
-``cat``, so Inductor computes them straight into the bucket; every member's result is its
-rank-major piece of the bucket's output::
+``param_dtype``, the padding: the nodes that feed only that all-gather) move next to the
+bucket's ``bucket_pack``; every member's result is its rank-major piece of the bucket's output,
+a dense tensor that ``bucket_unpack`` copies out (:mod:`compiled_hooks.bucket_copies`: one ATen
+call each way, which Inductor neither fuses nor compiles, so a model's blocks add no kernels)::
 
     before                                      after
     c1 = convert_element_type(p1, bf16)         c1 = convert_element_type(p1, bf16)
     a1 = all_gather_into_tensor(c1, N, g)       c2 = convert_element_type(p2, bf16)
-    w1 = wait_tensor(a1)                        flat = cat([reshape(c1, [-1]), c2])
+    w1 = wait_tensor(a1)                        flat = bucket_pack([c1, c2], 1)
     s1 = slice(w1, 0, 0, R1)                    a = all_gather_into_tensor(flat, N, g)
     ... block compute using s1 ...              w = wait_tensor(a)
-    c2 = convert_element_type(p2, bf16)         v = view(w, [N, n1 + n2])
-                                                pieces = split_with_sizes(v, [n1, n2], 1)
+    c2 = convert_element_type(p2, bf16)         pieces = bucket_unpack(w, N, [n1, n2])
     a2 = all_gather_into_tensor(c2, N, g)       w1 = reshape(pieces[0], [N * r1, d1])
     w2 = wait_tensor(a2)                        w2 = reshape(pieces[1], [N * r2])
     s2 = slice(w2, 0, 0, R2)                    s1 = slice(w1, 0, 0, R1)
@@ -40,7 +40,7 @@ from torch.fx import Graph, Node
 
 from .core.interface import graph_pass
 from .core.marks import block_of, calls, check_graph, is_op
-from .core.ops import ALL_GATHER, CAST_OPS, VIEW_OPS, WAIT, aten, val
+from .core.ops import ALL_GATHER, BUCKET_PACK, BUCKET_UNPACK, CAST_OPS, VIEW_OPS, WAIT, aten, val
 from .core.record import record
 from .core.traversal import input_cone
 from .core.values import new_node
@@ -109,22 +109,13 @@ def _merge(graph: Graph, members: list[Node], order: dict[Node, int]) -> bool:
         at.prepend(n)
     size, group = at.args[1], at.args[2]
     with graph.inserting_before(at):
-        flats = [
-            ag.args[0]
-            if val(ag.args[0]).dim() == 1
-            else new_node(graph, aten.reshape.default, (ag.args[0], [-1]))
-            for ag in members
-        ]
-        flat = new_node(graph, aten.cat.default, (flats,), name="bucket_cat")
+        flat = new_node(graph, BUCKET_PACK, ([ag.args[0] for ag in members], 1), name="bucket_pack")
         coll = new_node(graph, ALL_GATHER, (flat, size, group), name="bucket_all_gather")
         coll.meta["custom"] = dict(at.meta.get("custom", {}))
-    sizes = [val(ag.args[0]).numel() for ag in members]
+    widths = [val(ag.args[0]).numel() for ag in members]
     with graph.inserting_before(first_use):
         wait = new_node(graph, WAIT, (coll,), name="bucket_wait")
-        rows = new_node(graph, aten.view.default, (wait, [size, sum(sizes)]))
-        pieces = new_node(
-            graph, aten.split_with_sizes.default, (rows, sizes, 1), name="bucket_pieces"
-        )
+        pieces = new_node(graph, BUCKET_UNPACK, (wait, size, widths), name="bucket_pieces")
         for i, (ag, old_wait) in enumerate(zip(members, waits)):
             piece = graph.call_function(operator.getitem, (pieces, i))
             piece.meta["val"] = val(pieces)[i]

@@ -1,31 +1,31 @@
-"""bucket_block_reduce_scatters: one reduce-scatter per ``data_parallel`` block, the hook's scale
-and casts written into the rank-major bucket.
+"""bucket_block_reduce_scatters: one reduce-scatter per ``data_parallel`` block, its copy-in one
+opaque call.
 
 ``compiled_hooks.fsdp.data_parallel`` reduces every parameter's gradient through the comm hook
 on its own, and marks each reduce-scatter with its block
 (``node.meta["custom"]["data_parallel_block"]``). This pass merges the reduce-scatter chains of
 one block (same group, reduce op, wire dtype and device), compressed or not, the way
 ``bucket_compressed_collectives`` merges compressed ones (shared
-:func:`passes.core.bucket.merge_chains`)::
+:func:`passes.core.bucket.merge_chains`), with the rank-major copy-in as one ``bucket_pack``
+call (:mod:`compiled_hooks.bucket_copies`), which Inductor neither fuses nor compiles: the
+hook's scale and casts stay kernels of their own, the same for every block of one shape::
 
     before                                        after
     d1 = div(g1, 2); c1 = convert(d1, bf16)        d1 = div(g1, 2); c1 = convert(d1, bf16)
     r1 = reduce_scatter_tensor(c1, "sum", N, g)    d2 = div(g2, 2); c2 = convert(d2, bf16)
-    w1 = wait_tensor(r1)                           rows = cat([reshape(c1, [N, -1]),
-    o1 = convert(w1, f32)                                      reshape(c2, [N, -1])], 1)
-                                                   flat = reshape(rows, [-1])
-    d2 = div(g2, 2); c2 = convert(d2, bf16)        r = reduce_scatter_tensor(flat, "sum", N, g)
-    r2 = reduce_scatter_tensor(c2, "sum", N, g)    ... rest of backward overlaps ...
-    w2 = wait_tensor(r2)                           w = wait_tensor(r)
-    o2 = convert(w2, f32)                          pieces = split_with_sizes(w, [n1, n2])
-                                                   o1 = convert(pieces[0], f32); o2 =
-                                                   convert(pieces[1], f32)
+    w1 = wait_tensor(r1)                           flat = bucket_pack([c1, c2], N)
+    o1 = convert(w1, f32)                          r = reduce_scatter_tensor(flat, "sum", N, g)
+                                                   ... rest of backward overlaps ...
+    d2 = div(g2, 2); c2 = convert(d2, bf16)        w = wait_tensor(r)
+    r2 = reduce_scatter_tensor(c2, "sum", N, g)    pieces = split_with_sizes(w, [n1, n2])
+    w2 = wait_tensor(r2)                           o1 = convert(pieces[0], f32); o2 =
+    o2 = convert(w2, f32)                          convert(pieces[1], f32)
 
 Rank ``r`` receives its shard of every member. What only carries a member's result to
 the graph's outputs (the copy into the gradient, the cast back, the slice to the local rows) moves
 to the end of the graph first; the bucket then goes out right after the block's last gradient and
 is waited right before the first use of a result; any division
-``fold_collective_scaling`` left stays inside the member's copy-in (the pipeline folds it into
+``fold_collective_scaling`` left stays before the member's copy-in (the pipeline folds it into
 the collective first where the backend averages). Members with a non-constant factor or a
 shared intermediate are left alone, and so is a bucket whose member's result is used before its
 last input is ready; all counted. Idempotent: a block holds one reduce-scatter after it.
@@ -37,8 +37,8 @@ wait::
 
     before                                        after (end of the graph)
     r1 = reduce_scatter_tensor(d1, ..., shard)    w = wait_tensor(r)  # the block's bucket
-    w1 = wait_tensor(r1)                          a = all_reduce(cat([div(w[:n1], 2),
-    a1 = all_reduce(div(w1, 2), "sum", replica)                       div(w[n1:], 2)]), ...)
+    w1 = wait_tensor(r1)                          a = all_reduce(bucket_pack([div(w[:n1], 2),
+    a1 = all_reduce(div(w1, 2), "sum", replica)          div(w[n1:], 2)], 1), ...)
     b1 = copy(out1, wait_tensor(a1))              b1, b2 = pieces of wait_tensor(a)
 """
 
@@ -131,7 +131,7 @@ def _merge(graph: Graph, buckets: Iterable[list[Chain]]) -> bool:
     changed = False
     for bucket in buckets:
         if len(bucket) > 1:
-            changed |= merge_chains(PASS, graph, bucket, order, moved) is not None
+            changed |= merge_chains(PASS, graph, bucket, order, moved, packed=True) is not None
     return changed
 
 

@@ -28,7 +28,8 @@ prefetch_depth`` are in flight: at most ``prefetch_depth + 1`` blocks' gathered 
 alive at once, besides what the graph itself keeps. Every wait stays right before its first use.
 
 An all-gather whose result the graph returns (a forward keeping its gathered parameters for
-backward, without ``reshard_after_forward``) lives to the graph's end wherever it goes out, so
+backward, without ``reshard_after_forward``: views of the result, or the pieces a bucket's
+copy-out made of it) lives to the graph's end wherever it goes out, so
 it is not held back: it goes out before the first wait, and the depth counts only the others.
 On gloo, whose two worker threads run two collectives at once, a gather issued one block ahead
 ends together with the one before it, and the link idles while the block computes.
@@ -50,7 +51,7 @@ from torch.fx import Graph, Node
 
 from .core.interface import graph_pass
 from .core.marks import block_of, calls, check_graph, is_op
-from .core.ops import ALL_GATHER, WAIT
+from .core.ops import ALL_GATHER, BUCKET_UNPACK, WAIT
 from .core.record import record
 from .core.traversal import input_cone, is_alias, returned
 
@@ -61,6 +62,13 @@ PASS = "prefetch_block_all_gathers"
 
 def _wait(ag: Node) -> Node:
     return next(iter(ag.users))
+
+
+def _kept(ag: Node) -> bool:
+    """The graph returns ``ag``'s result: a view of it, or a piece a bucket's copy-out made of
+    it (``BUCKET_UNPACK``)."""
+    pieces = [g for u in _wait(ag).users if is_op(u, (BUCKET_UNPACK,)) for g in u.users]
+    return returned(ag) or any(returned(p) for p in pieces)
 
 
 def _to_move(ag: Node, slot: Node, order: dict[Node, int]) -> list[Node] | None:
@@ -105,7 +113,7 @@ def prefetch_block_all_gathers(graph: Graph, prefetch_depth: int = 1) -> bool:
     order = {n: i for i, n in enumerate(graph.nodes)}
     ags.sort(key=lambda ag: order[_wait(ag)])
     first_wait = _wait(ags[0])
-    limited = [ag for ag in ags if not returned(ag)]
+    limited = [ag for ag in ags if not _kept(ag)]
     depth = {ag: j for j, ag in enumerate(limited)}
     changed = False
     for ag in ags:

@@ -24,6 +24,7 @@ their bytes are alive after each node.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from compiled_hooks import compat
+from compiled_hooks.graph_contract import BUCKET_UNPACK
 
 from .core.graph_text import graph_diff, graph_str
 from .core.traversal import aliases, is_alias
@@ -139,15 +141,26 @@ def partitioned_graphs(
 _GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
 
 
+def _gathered(node: torch.fx.Node) -> bool:
+    """``node`` is an all-gather's output, or a piece a bucket's copy-out made of one."""
+    if node.op != "call_function":
+        return False
+    source = node.args[0] if node.target is operator.getitem else None
+    return node.target in _GATHERS or (
+        isinstance(source, torch.fx.Node) and source.target is BUCKET_UNPACK
+    )
+
+
 def gathered_bytes_alive(graph: torch.fx.Graph) -> list[int]:
-    """After each node of ``graph``, the bytes of all-gather outputs still alive: an output lives
-    from its collective to the last use of it or of any view of it; one the graph returns (a
-    forward saving it for backward) lives to the end."""
+    """After each node of ``graph``, the bytes of all-gather outputs (and of the pieces a
+    bucket's copy-out makes of them) still alive: an output lives from the node that makes it to
+    the last use of it or of any view of it; one the graph returns (a forward saving it for
+    backward) lives to the end."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     alive = [0] * len(nodes)
     for node in nodes:
-        if node.op != "call_function" or node.target not in _GATHERS:
+        if not _gathered(node):
             continue
         last = max(
             (
@@ -165,7 +178,8 @@ def gathered_bytes_alive(graph: torch.fx.Graph) -> list[int]:
 
 def saved_for_backward(forward: torch.fx.Graph, outputs: int = 1) -> tuple[int, int]:
     """``(gathered, other)``: the bytes a partitioned forward graph returns for backward after
-    its first ``outputs`` values, split into gathered parameters (all-gather outputs) and
+    its first ``outputs`` values, split into gathered parameters (all-gather outputs, and the
+    pieces a bucket's copy-out makes of them) and
     everything else. A saved view counts as the value it views, once; graph inputs and their
     views (parameters' shards, the batch) are left out, since they are held anyway."""
     saved = next(iter(forward.find_nodes(op="output"))).args[0][outputs:]
@@ -181,7 +195,7 @@ def saved_for_backward(forward: torch.fx.Graph, outputs: int = 1) -> tuple[int, 
         if not isinstance(value, torch.Tensor):
             continue
         nbytes = value.numel() * value.element_size()
-        if node.target in _GATHERS:
+        if _gathered(node):
             gathered += nbytes
         else:
             other += nbytes

@@ -9,7 +9,7 @@ from torch.fx import Graph, Node
 
 from .chains import Chain, cast_dtype, chains, scale_factor
 from .marks import is_op
-from .ops import ALL_REDUCE, REDUCE_SCATTER, VIEW_OPS, WAIT, aten, val
+from .ops import ALL_REDUCE, BUCKET_PACK, REDUCE_SCATTER, VIEW_OPS, WAIT, aten, val
 from .record import record
 from .values import flat_value, new_node, piece_of, split_node
 
@@ -57,13 +57,20 @@ def cat_prologue_problem(cat: Node, pre: list[Node]) -> str | None:
 
 
 def merge_chains(
-    pass_name: str, graph: Graph, bucket: list[Chain], order: dict[Node, int], moved: set[Node]
+    pass_name: str,
+    graph: Graph,
+    bucket: list[Chain],
+    order: dict[Node, int],
+    moved: set[Node],
+    packed: bool = False,
 ) -> Node | None:
     """Merge one bucket of all_reduce or reduce_scatter chains into one collective of a ``cat``:
     every member's pre-collective ops move next to the ``cat`` (one copy-in), and its
     post-collective ops read its piece of the result (one copy-out); a reduce_scatter bucket is
-    laid out rank-major (``cat`` of ``[N, -1]`` views along dim 1). The bucket goes out right
-    after its last member's input is ready and is waited right before the first use of any
+    laid out rank-major (``cat`` of ``[N, -1]`` views along dim 1). ``packed``: the copy-in is
+    one ``bucket_pack`` call (:mod:`compiled_hooks.bucket_copies`) instead, which Inductor does
+    not compile; the members' pre-collective ops stay kernels of their own. The bucket goes out
+    right after its last member's input is ready and is waited right before the first use of any
     member's result. Returns the bucket's collective, which carries the first member's
     ``meta["custom"]``; None (and counted) if a member's result is used before that input.
 
@@ -98,17 +105,21 @@ def merge_chains(
             insert_before.prepend(n)
             moved.add(n)
         inp = c.collective.args[0]
-        if rs or val(inp).dim() != 1:  # a 1-D all_reduce input is already flat
+        if not packed and (rs or val(inp).dim() != 1):  # a 1-D all_reduce input is already flat
             with graph.inserting_before(insert_before):
                 inp = new_node(graph, aten.reshape.default, (inp, [group_size, -1] if rs else [-1]))
         flats.append(inp)
     with graph.inserting_before(insert_before):
-        flat_val = None if rs else flat_value(val(flats[0]), sum(val(f).numel() for f in flats))
-        flat = new_node(
-            graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat", value=flat_val
-        )
-        if rs:
-            flat = new_node(graph, aten.reshape.default, (flat, [-1]))
+        if packed:
+            rows = group_size if rs else 1
+            flat = new_node(graph, BUCKET_PACK, (flats, rows), name="bucket_pack")
+        else:
+            flat_val = None if rs else flat_value(val(flats[0]), sum(val(f).numel() for f in flats))
+            flat = new_node(
+                graph, aten.cat.default, (flats, 1 if rs else 0), name="bucket_cat", value=flat_val
+            )
+            if rs:
+                flat = new_node(graph, aten.reshape.default, (flat, [-1]))
         rest = bucket[0].collective.args[1:]
         target = REDUCE_SCATTER if rs else ALL_REDUCE
         coll = new_node(

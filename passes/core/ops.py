@@ -8,6 +8,8 @@ from typing import Any, cast
 import torch
 from torch.fx import Node
 
+from compiled_hooks.graph_contract import BUCKET_PACK, BUCKET_UNPACK  # noqa: F401  (for the passes)
+
 aten, prims = torch.ops.aten, torch.ops.prims
 c10d_ops = torch.ops._c10d_functional
 
