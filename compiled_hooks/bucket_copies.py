@@ -13,7 +13,7 @@ piece a new dense 1-D tensor of ``rows * width`` values::
 
     flat = [a0 b0 b1 a1 b2 b3], rows = 2, widths = [1, 2]   ->   [a0 a1], [b0 b1 b2 b3]
 
-``passes.bucket_block_all_gathers`` and the block buckets of ``passes.bucket_reduce_scatters``
+``passes.bucket_block_all_gathers`` and ``passes.bucket_block_reduce_scatters``
 write them. As opaque calls they cost Inductor nothing to lower, schedule or compile per block,
 where the same copies as its own kernels cost one C++ (or Triton) compile for each distinct
 fusion around them.
