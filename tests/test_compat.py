@@ -217,8 +217,10 @@ def _dtensor_keys(rank, world_size):
     tensors = [distribute_tensor(torch.ones(rows, 4), dp, [Shard(0)]) for rows in (13, 16)]
     before = [compat.dtensor_cache_key(t) for t in tensors]
     compat.key_dtensors_by_rank()
-    compat.key_dtensors_by_rank()  # once is enough; a second call adds nothing
-    return before, [compat.dtensor_cache_key(t) for t in tensors]
+    after = [compat.dtensor_cache_key(t) for t in tensors]
+    compat.key_dtensors_by_rank()  # a second call adds nothing (a second wrap would rehash)
+    assert [compat.dtensor_cache_key(t) for t in tensors] == after
+    return before, after
 
 
 def test_ranks_key_their_own_dtensors_for_aotautograds_cache():
