@@ -59,6 +59,7 @@ from .. import compat, weight_gathers
 from ..hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
 from ..marks import BLOCK
 from ..state import DefaultState, LowPrecisionState
+from . import block_gather
 from .accumulation import NOTHING, Accumulate
 from .layout import Layout, TensorParallel, pad_rows
 from .reduction import Reduction
@@ -246,10 +247,13 @@ def _gather_kernel(
     gathers = _GATHERS.get(root)
     if gathers is None:
         raise RuntimeError(f"data_parallel_gather: the data_parallel root {root} is gone")
-    layouts, reduction = gathers.layouts, gathers.reduction
+    layouts, reduction = [gathers.layouts[n] for n in names], gathers.reduction
+    accumulate = [Accumulate(*a) for a in zip(leaves, pending, markers)]
+    if block_gather.fits(shards, layouts, reduction, accumulate):
+        return block_gather.gather_block(shards, layouts, reduction)
     return [
-        _GatherReduce.apply(s, layouts[n], reduction, None, *a)
-        for s, n, *a in zip(shards, names, leaves, pending, markers)
+        _GatherReduce.apply(s, layout, reduction, None, *a)
+        for s, layout, a in zip(shards, layouts, accumulate)
     ]
 
 
