@@ -24,9 +24,9 @@ The gradient goes to the shard as if the gather were exact (a straight-through e
 A whole-model trace (:class:`Gathers`) gathers a block's parameters, or one root parameter,
 through one call of the op ``compiled_hooks::data_parallel_gather`` instead, when the hooks keep
 no tensor state (:func:`traceable`): Dynamo records the call as one node, and AOTAutograd traces
-the same gathers and reductions through the op's ``CompositeImplicitAutograd`` kernel. The
-graph AOTAutograd makes is the same; Dynamo's trace costs one node instead of the function's
-forward and backward per parameter.
+the op's ``CompositeImplicitAutograd`` kernel: a block's parameters as one all-gather and one
+hook call (:mod:`.block_gather`) where that gives the same values, else the function above per
+parameter.
 
 Under ``torch.compile`` the gather runs under a selective activation checkpoint. With
 ``reshard=True`` its policy recomputes every op in it, so the partitioner saves the shard, not
