@@ -238,3 +238,36 @@ def test_ranks_key_their_own_dtensors_for_aotautograds_cache():
     assert all(r[1][0] != r[1][1] for r in results)  # and every shape its own
     again = run_ranks(_dtensor_keys, 4)
     assert [r[1] for r in again] == [r[1] for r in results]  # stable across processes
+
+
+def test_to_local_keeps_none_gradients_says_what_to_locals_backward_does():
+    """The probe reads ``to_local()``'s forward; what matters is its backward: a function of the
+    local tensor that gives it no gradient leaves the DTensor's gradient None where the probe
+    says so, and zeros where it does not (torch 2.11)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from passes.testing import fake_process_group
+
+    class Unused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.set_materialize_grads(False)
+            return a * 2, b.detach()
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            return (None if ga is None else ga * 2), None
+
+    fake_process_group(2)
+    mesh = init_device_mesh("cpu", (2,))
+    x, w = (
+        DTensor.from_local(torch.ones(3), mesh, [Replicate()]).requires_grad_() for _ in range(2)
+    )
+    out, _ = Unused.apply(x.to_local(), w.to_local())
+    out.sum().backward()
+    assert x.grad is not None
+    if compat.to_local_keeps_none_gradients():
+        assert w.grad is None
+    else:
+        assert w.grad is not None and not w.grad.to_local().any()

@@ -59,6 +59,7 @@ from .autograd import (
     python_reducer,
     queue_backward_callback,
     set_python_reducer,
+    to_local_keeps_none_gradients,
 )
 from .dtensor_cache import dtensor_cache_key, key_dtensors_by_rank
 from .fsdp2 import (
@@ -101,6 +102,7 @@ __all__ = [
     "set_python_reducer",
     "ddp_uses_python_reducer",
     "ddp_first_bucket_bytes",
+    "to_local_keeps_none_gradients",
     "inductor_config",
     "CustomGraphPass",
     "custom_post_pass",
@@ -172,6 +174,7 @@ OWNED = (
     "_stable_hash_for_caching",
     "_local_tensor",
     "maybe_unwrap_fake_script_object",
+    "_ToTorchTensor",
 )
 
 

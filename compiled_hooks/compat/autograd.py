@@ -1,10 +1,13 @@
-"""Autograd's engine, compiled autograd and DDP's reducer, as torch's internals give them. Part
-of :mod:`compiled_hooks.compat`, which re-exports every name here; read them through ``compat``.
+"""Autograd's engine, compiled autograd, DDP's reducer and DTensor's ``to_local`` backward, as
+torch's internals give them. Part of :mod:`compiled_hooks.compat`, which re-exports every name
+here; read them through ``compat``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -19,6 +22,7 @@ __all__ = [
     "set_python_reducer",
     "ddp_uses_python_reducer",
     "ddp_first_bucket_bytes",
+    "to_local_keeps_none_gradients",
 ]
 
 
@@ -62,3 +66,27 @@ def ddp_first_bucket_bytes(ddp: torch.nn.parallel.DistributedDataParallel) -> in
     apart)."""
     config = getattr(ddp, "_bucket_config", None)
     return int(getattr(config, "first_bucket_bytes_cap", ddp.bucket_bytes_cap))
+
+
+class _Context:
+    materialize = True
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize = value
+
+
+@functools.cache
+def to_local_keeps_none_gradients() -> bool:
+    """Whether ``DTensor.to_local()``'s backward passes on a gradient that is None as None (from
+    torch 2.13): torch 2.11's makes it zeros, so a parameter whose gathered copy a traced backward
+    gives no gradient gets a gradient of zeros, where a None skips its optimizer step. Read by
+    running the function's forward on a stand-in."""
+    from torch.distributed.tensor._api import _ToTorchTensor
+
+    ctx, local = _Context(), torch.zeros(1)
+    stand_in = types.SimpleNamespace(_spec=None, _local_tensor=local)
+    try:
+        _ToTorchTensor.forward(ctx, stand_in, None)
+    except Exception:  # a forward that reads more of a DTensor: assume zeros
+        return False
+    return not ctx.materialize

@@ -48,10 +48,13 @@ def fits(
 ) -> bool:
     """Whether :func:`gather_block` gives what a gather per parameter gives: several sharded
     parameters gathered in one dtype, sent in it (no int8 gathers), with nothing accumulated or
-    pending (:mod:`.accumulation`); the caller has checked the hooks :func:`.gather.stateless`."""
+    pending (:mod:`.accumulation`); the caller has checked the hooks :func:`.gather.stateless`.
+    Not where ``to_local()``'s backward makes a None gradient zeros (torch 2.11): a parameter of
+    the block that the forward does not use would get a gradient of zeros, not None."""
     dtypes = {reduction.param_dtype or shard.dtype for shard in shards}
     return (
-        len(shards) > 1
+        compat.to_local_keeps_none_gradients()
+        and len(shards) > 1
         and len(dtypes) == 1
         and reduction.shard_group is not None
         and reduction.gather_dtype is None
