@@ -86,7 +86,7 @@ def to_local_keeps_none_gradients() -> bool:
     ctx, local = _Context(), torch.zeros(1)
     stand_in = types.SimpleNamespace(_spec=None, _local_tensor=local)
     try:
-        _ToTorchTensor.forward(ctx, stand_in, None)
+        _ToTorchTensor.forward(ctx, stand_in, None)  # type: ignore[arg-type]
     except Exception:  # a forward that reads more of a DTensor: assume zeros
         return False
     return not ctx.materialize

@@ -8,7 +8,7 @@ its packed, rank-major gradient in backward (shards padded to ``rows`` rows each
     backward:  g = bucket_pack([pad(grad_i.to(in_dtype)) for each i], N)  # rank r's rows together
                out = empty(sum(widths)); hook(state, g, out)           # reduce-scatter
                replica_hook(replica_state, out)                        # hybrid_shard only
-               shard_grad_i = out.split(widths)[i].view(rows_i, ...)[:local_rows_i].to(dtype_i)
+               shard_grad_i = bucket_unpack(out, 1, widths)[i].view(rows_i, ...)[:local_rows_i]
 
 The same values as a gather and a hook call per parameter (:mod:`.gather`) where every hook is
 elementwise over its gradient: the :func:`.gather.stateless` hooks (:func:`fits`). What the
@@ -94,13 +94,12 @@ class _BlockGatherReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         layouts, r = ctx.layouts, ctx.reduction
-        dtype = next(g.dtype for g in grads if g is not None)
-        in_dtype, out_dtype = r.hook_dtypes(dtype)
+        like = next(g for g in grads if g is not None)  # autograd calls with one at least
+        in_dtype, out_dtype = r.hook_dtypes(like.dtype)
         pieces = []
         for grad, layout in zip(grads, layouts):
             rows = r.hook_shapes(layout)[0][0]
             if grad is None:
-                like = next(g for g in grads if g is not None)
                 pieces.append(like.new_zeros((rows, *layout.shape[1:]), dtype=in_dtype))
             else:
                 pieces.append(pad_rows(grad.to(in_dtype), rows))
