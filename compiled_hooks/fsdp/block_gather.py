@@ -24,7 +24,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as fcol
 
 from .. import compat
 from ..bucket_copies import bucket_pack, bucket_unpack
@@ -77,18 +76,17 @@ class _BlockGatherReduce(torch.autograd.Function):
     def forward(
         ctx: Any, layouts: tuple[Layout, ...], reduction: Reduction, *shards: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.layouts, ctx.reduction = layouts, reduction
+        # traced only (through the gather op's kernel), so the graph's wait is the one
+        ctx.layouts, ctx.reduction, ctx.widths = layouts, reduction, _widths(layouts)
         ctx.dtypes = [shard.dtype for shard in shards]
         ctx.set_materialize_grads(False)
         dtype = reduction.param_dtype or shards[0].dtype
         pieces = [pad_rows(s.to(dtype), layout.rows) for s, layout in zip(shards, layouts)]
         full = compat.all_gather_single(bucket_pack(pieces, 1), 0, reduction.shard_group)
-        if not (torch.compiler.is_compiling() or compat.fake_mode(full) is not None):
-            full = fcol.wait_tensor(full)  # eager: one all-gather in flight (see .gather)
         size = reduction.shard_size()
         return tuple(
             _rows(piece, size * layout.rows, layout.shape)
-            for piece, layout in zip(bucket_unpack(full, size, _widths(layouts)), layouts)
+            for piece, layout in zip(bucket_unpack(full, size, ctx.widths), layouts)
         )
 
     @staticmethod
@@ -115,7 +113,7 @@ class _BlockGatherReduce(torch.autograd.Function):
             if grad is None
             else _rows(piece, layout.rows, layout.shape, layout.local_rows).to(shard_dtype)
             for grad, piece, layout, shard_dtype in zip(
-                grads, bucket_unpack(out, 1, _widths(layouts)), layouts, ctx.dtypes
+                grads, bucket_unpack(out, 1, ctx.widths), layouts, ctx.dtypes
             )
         ]
         return None, None, *shard_grads
