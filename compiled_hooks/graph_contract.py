@@ -34,7 +34,9 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
   it. The passes turn the switch on with the joint-graph rewrite that keeps
   ``reshard_after_forward`` (``passes.forward_region_inputs``).
 - **A block's bucket copies** (:mod:`.bucket_copies`): the passes write a block bucket's
-  copy-in as :data:`BUCKET_PACK` and an all-gather bucket's copy-out as :data:`BUCKET_UNPACK`.
+  copy-in as :data:`BUCKET_PACK` and an all-gather bucket's copy-out as :data:`BUCKET_UNPACK`;
+  the all-to-all forms of gloo's collectives copy with them too, and a reduce-scatter's local
+  sum is :data:`RANK_SUM` (:mod:`.rank_sum`).
 - **The rank guard**: :data:`CHECK_RANKS`, inserted by ``passes.insert_rank_guard``, runs
   :func:`compiled_hooks.rank_guard.check`.
 
@@ -51,6 +53,7 @@ from .int8.ops import DEQUANTIZE_PACKED
 from .marks import BLOCK, INT8, blocks_compile_once, compile_blocks_once
 from .powersgd.ops import POWERSGD_COUNT
 from .rank_guard import CHECK_RANKS
+from .rank_sum import RANK_SUM
 from .zero.group_rank import GROUP_RANK
 
 __all__ = [
@@ -63,6 +66,7 @@ __all__ = [
     "DEQUANTIZE_PACKED",
     "GROUP_RANK",
     "POWERSGD_COUNT",
+    "RANK_SUM",
     "VERIFY_ENV",
     "env_flag",
     "compile_blocks_once",

@@ -8,24 +8,27 @@ the wait (the record is in docs/passes.md). The chunked all_gathers of
 several in flight by design; so this pass runs last (after the scheduling passes, which treat
 all_to_all as a gradient collective) and rewrites each::
 
-    ag = all_gather_into_tensor(x, N, G)     ->    ag = all_to_all_single(cat([x] * N), [d] * N,
-    w = wait_tensor(ag)                                                   [d] * N, G)
+    ag = all_gather_into_tensor(x, N, G)     ->    c = view(bucket_pack([x] * N, 1), [N * d, ...])
+    w = wait_tensor(ag)                            ag = all_to_all_single(c, [d] * N, [d] * N, G)
                                                    w = wait_tensor(ag)    # d = x.size(0)
 
 Row block j of the input goes to rank j and block j of the output comes from rank j, so the
 output is the all_gather's, bit for bit, with the same bytes on the wire; the cost is one local
-copy of ``N * x`` per collective. An input of more than ``all_to_all_chunk_bytes`` goes out in
-several all_to_alls of at most that many bytes per destination, all issued where the all_gather
-was and all waited for where its wait was (gloo moves one large all_to_all well below a
-bandwidth-bound link's rate, pieces close to it; by default ``ALL_TO_ALL_CHUNK_BYTES`` where the
-ranks span hosts, one all_to_all where they share one: ``core.groups.resolve_chunk_bytes``);
-the pieces' rank-major outputs are joined back into the all_gather's::
+copy of ``N * x`` per collective, an opaque ``bucket_pack`` call
+(:mod:`compiled_hooks.bucket_copies`), which costs Inductor no kernel to compile for each size.
+An input of more than ``all_to_all_chunk_bytes`` goes out in several all_to_alls of at most
+that many bytes per destination, all issued where the all_gather was and all waited for where
+its wait was (gloo moves one large all_to_all well below a bandwidth-bound link's rate, pieces
+close to it; by default ``ALL_TO_ALL_CHUNK_BYTES`` where the ranks span hosts, one all_to_all
+where they share one: ``core.groups.resolve_chunk_bytes``); the pieces' rank-major outputs are
+joined back into the all_gather's::
 
     ag = all_gather_into_tensor(x, N, G)
     w = wait_tensor(ag)
         ->
-    a_k = all_to_all_single(cat([x[lo_k:hi_k]] * N), [c_k] * N, [c_k] * N, G)   # each piece k
-    w = view(cat([view(wait_tensor(a_k), [N, c_k, ...]) for each k], 1), [N * d, ...])
+    a_k = all_to_all_single(view(bucket_pack([x[lo_k:hi_k]] * N, 1), [N * c_k, ...]),
+                            [c_k] * N, [c_k] * N, G)                            # each piece k
+    w = view(bucket_pack([wait_tensor(a_k) for each k], N), [N * d, ...])  # rank r's rows together
 
 Groups whose backend is not in ``all_gather_backends`` (default gloo only: NCCL's all_gather is
 its own implementation) are left alone and counted.
@@ -43,7 +46,7 @@ from torch.fx import Graph, Node
 from .core.groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
 from .core.interface import graph_pass
 from .core.marks import calls, check_graph, is_op
-from .core.ops import ALL_GATHER, ALL_TO_ALL, WAIT, aten, val
+from .core.ops import ALL_GATHER, ALL_TO_ALL, BUCKET_PACK, WAIT, aten, val
 from .core.record import record
 from .core.values import new_node
 
@@ -52,27 +55,27 @@ __all__ = ["all_gather_as_all_to_all", "Options"]
 PASS = "all_gather_as_all_to_all"
 
 
+def _copies(graph: Graph, x: Node, size: int) -> Node:
+    """``size`` copies of ``x`` stacked along its first dimension."""
+    shape = list(val(x).shape)
+    packed = new_node(graph, BUCKET_PACK, ([x] * size, 1))
+    return new_node(graph, aten.view.default, (packed, [size * shape[0], *shape[1:]]))
+
+
 def _in_pieces(graph: Graph, ag: Node, pieces: list[tuple[int, int]]) -> Node:
     """The chunked rewrite of ``ag`` (whose only user is its wait); returns the joined value."""
     x, size, group = ag.args[0], cast(int, ag.args[1]), ag.args[2]
     (wait,) = ag.users
-    rest = list(val(x).shape[1:])
     with graph.inserting_before(ag):
         sent = []
         for lo, hi in pieces:
-            piece = new_node(graph, aten.slice.Tensor, (x, 0, lo, hi))
-            copies = new_node(graph, aten.cat.default, ([piece] * size,))
+            copies = _copies(graph, new_node(graph, aten.slice.Tensor, (x, 0, lo, hi)), size)
             sent.append(
                 new_node(graph, ALL_TO_ALL, (copies, [hi - lo] * size, [hi - lo] * size, group))
             )
     with graph.inserting_before(wait):
-        parts = [
-            new_node(
-                graph, aten.view.default, (new_node(graph, WAIT, (a,)), [size, hi - lo, *rest])
-            )
-            for a, (lo, hi) in zip(sent, pieces)
-        ]
-        joined = new_node(graph, aten.cat.default, (parts, 1))
+        received = [new_node(graph, WAIT, (a,)) for a in sent]
+        joined = new_node(graph, BUCKET_PACK, (received, size))
         out = new_node(graph, aten.view.default, (joined, list(val(wait).shape)))
     wait.replace_all_uses_with(out)
     graph.erase_node(wait)
@@ -130,8 +133,7 @@ def all_gather_as_all_to_all(
         else:
             splits = [value.shape[0]] * size
             with graph.inserting_before(ag):
-                copies = new_node(graph, aten.cat.default, ([x] * size,))
-                a2a = new_node(graph, ALL_TO_ALL, (copies, splits, splits, group))
+                a2a = new_node(graph, ALL_TO_ALL, (_copies(graph, x, size), splits, splits, group))
             ag.replace_all_uses_with(a2a)
         graph.erase_node(ag)
         record(PASS, "all_gather -> all_to_all", a2a)

@@ -9,41 +9,52 @@ order, accumulating in fp32 when the wire dtype is narrower::
 
     r = reduce_scatter_tensor(x, "avg", N, G)   ->  a = all_to_all_single(x, [d] * N, [d] * N, G)
     w = wait_tensor(r)                               w = wait_tensor(a)     # d = x.size(0) / N
-                                                     s = sum(view(w, [N, d, ...]), [0], dtype=f32)
-                                                     w' = convert_element_type(div(s, N), x.dtype)
+                                                     w' = rank_sum(w, N, N)   # "sum": divisor 1
 
-Row block ``j`` of every rank's input goes to rank ``j``, so rank ``j`` sums exactly the pieces
-the reduce-scatter sums into its shard; only the order of the additions is the pass's (rank
-order, in fp32), and every shard is computed on one rank only, so ranks cannot disagree. The
-cost is a receive buffer of the input's size instead of the shard's, and a local sum. Groups
+``rank_sum`` (:mod:`compiled_hooks.rank_sum`) adds the ``N`` received blocks in rank order, in
+fp32 where the wire dtype is narrower, divides and casts back. Row block ``j`` of every rank's
+input goes to rank ``j``, so rank ``j`` sums exactly the pieces the reduce-scatter sums into its
+shard; only the order of the additions is the pass's, and every shard is computed on one rank
+only, so ranks cannot disagree. The cost is a receive buffer of the input's size instead of the
+shard's, and a local sum: an opaque call, which costs Inductor no kernel to compile. Groups
 whose backend is not in ``reduce_scatter_backends`` (default gloo only) and reduce ops other than
 sum and avg are left alone and counted. Runs last, after the scheduling passes: the wait stays
 where they put it, and the sum goes right after it.
 
 An input of more than ``all_to_all_chunk_bytes`` per destination goes out in several
-all_to_alls of at most that many (as ``all_gather_as_all_to_all`` sends its pieces): the
-columns ``lo:hi`` of every rank's row block, copied out together, and each piece summed right
-after its wait::
+all_to_alls of at most that many (as ``all_gather_as_all_to_all`` sends its pieces): rows
+``lo:hi`` of every rank's row block, copied out together by one ``bucket_unpack``
+(:mod:`compiled_hooks.bucket_copies`), and each piece summed right after its wait::
 
-    a_k = all_to_all_single(clone(view(x, [N, d, ...])[:, lo_k:hi_k]), [c_k] * N, [c_k] * N, G)
-    s_k = sum(view(wait_tensor(a_k), [N, c_k, ...]), [0], dtype=f32)        # for each k
-    w' = convert_element_type(div(cat([s_0, s_1, ...]), N), x.dtype)
+    p = bucket_unpack(view(x, [-1]), N, [c_0 * m, c_1 * m, ...])     # m: elements of one row
+    a_k = all_to_all_single(view(p[k], [N * c_k, ...]), [c_k] * N, [c_k] * N, G)
+    s_k = rank_sum(wait_tensor(a_k), N, N)                                   # for each k
+    w' = view(bucket_pack([s_0, s_1, ...], 1), [d, ...])
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Collection
 from typing import cast
 
-import torch
 from torch.fx import Graph, Node
 
 from .core.groups import ALL_TO_ALL_BACKENDS, chunk_bounds, group_info, resolve_chunk_bytes
 from .core.interface import graph_pass
 from .core.marks import calls, check_graph, is_op
-from .core.ops import ALL_TO_ALL, REDUCE_SCATTER, WAIT, aten, prims, val
+from .core.ops import (
+    ALL_TO_ALL,
+    BUCKET_PACK,
+    BUCKET_UNPACK,
+    RANK_SUM,
+    REDUCE_SCATTER,
+    WAIT,
+    aten,
+    val,
+)
 from .core.record import record
 from .core.values import new_node
 
@@ -53,18 +64,17 @@ PASS = "reduce_scatter_as_all_to_all"
 
 
 def _sent(graph: Graph, x: Node, size: int, group, pieces: list[tuple[int, int]]) -> list[Node]:
-    """The all_to_alls of ``x``'s row blocks, whole or by the columns ``pieces``."""
+    """The all_to_alls of ``x``'s row blocks, whole or by the rows ``pieces`` of each."""
     if len(pieces) == 1:
         split = [pieces[0][1]] * size
         return [new_node(graph, ALL_TO_ALL, (x, split, split, group))]
     rest = list(val(x).shape[1:])
-    rows = new_node(graph, aten.view.default, (x, [size, pieces[-1][1], *rest]))
+    row = math.prod(rest)
+    flat = new_node(graph, aten.view.default, (x, [-1]))
+    unpacked = new_node(graph, BUCKET_UNPACK, (flat, size, [(hi - lo) * row for lo, hi in pieces]))
     sent = []
-    for lo, hi in pieces:
-        piece = new_node(graph, aten.slice.Tensor, (rows, 1, lo, hi))
-        piece = new_node(
-            graph, aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
-        )
+    for k, (lo, hi) in enumerate(pieces):
+        piece = new_node(graph, operator.getitem, (unpacked, k))
         piece = new_node(graph, aten.view.default, (piece, [size * (hi - lo), *rest]))
         sent.append(new_node(graph, ALL_TO_ALL, (piece, [hi - lo] * size, [hi - lo] * size, group)))
     return sent
@@ -115,37 +125,24 @@ def reduce_scatter_as_all_to_all(
             continue
         (wait,) = rs.users
         value = val(x)
-        shape, dtype = list(value.shape), value.dtype
+        shape = list(value.shape)
         d = shape[0] // size
         pieces = chunk_bounds(d, math.prod(shape[1:]) * value.element_size(), chunk_bytes)
         if not value.is_contiguous():
             pieces = [(0, d)]
-        acc = torch.float32 if dtype.is_floating_point and dtype.itemsize < 4 else dtype
         with graph.inserting_before(rs):
             sent = _sent(graph, x, size, group, pieces)
         users = list(wait.users)
+        divisor = size if op == "avg" else 1
         with graph.inserting_before(wait):
             sums = [
-                new_node(
-                    graph,
-                    aten.sum.dim_IntList,
-                    (
-                        new_node(
-                            graph,
-                            aten.view.default,
-                            (new_node(graph, WAIT, (a,)), [size, hi - lo, *shape[1:]]),
-                        ),
-                        [0],
-                    ),
-                    {"dtype": acc},
-                )
-                for a, (lo, hi) in zip(sent, pieces)
+                new_node(graph, RANK_SUM, (new_node(graph, WAIT, (a,)), size, divisor))
+                for a in sent
             ]
-            total = sums[0] if len(sums) == 1 else new_node(graph, aten.cat.default, (sums,))
-            if op == "avg":
-                total = new_node(graph, aten.div.Tensor, (total, size))
-            if acc != dtype:
-                total = new_node(graph, prims.convert_element_type.default, (total, dtype))
+            total = sums[0]
+            if len(sums) > 1:
+                joined = new_node(graph, BUCKET_PACK, (sums, 1))
+                total = new_node(graph, aten.view.default, (joined, [d, *shape[1:]]))
         for user in users:
             user.replace_input_with(wait, total)
         graph.erase_node(wait)

@@ -8,7 +8,11 @@ from typing import Any, cast
 import torch
 from torch.fx import Node
 
-from compiled_hooks.graph_contract import BUCKET_PACK, BUCKET_UNPACK  # noqa: F401  (for the passes)
+from compiled_hooks.graph_contract import (  # noqa: F401  (for the passes)
+    BUCKET_PACK,
+    BUCKET_UNPACK,
+    RANK_SUM,
+)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 c10d_ops = torch.ops._c10d_functional
