@@ -15,7 +15,12 @@ ranks over loopback. Configurations:
 - data_parallel whole + passes: ``data_parallel`` (resharding after forward) compiled whole,
   ``passes.install()``;
 - data_parallel keep, whole + passes: the same with ``reshard_after_forward=False``;
-- data_parallel per-layer + passes: each layer ``.compile()``d.
+- data_parallel per-layer + passes: each layer ``.compile()``d;
+- the floor, with no data parallelism (no sharding, no gradient communication: their steady
+  steps are no peer's): "no data parallelism, whole + regions" compiles the plain model whole
+  with each layer a ``torch.compiler.nested_compile_region``, the least a whole-model compile
+  with one compile per distinct block costs; "no data parallelism, per-layer compile" compiles
+  each plain layer on its own.
 
 Each (configuration, depth) runs as two jobs of two fresh rank processes each (started as
 torchrun would): the first on an empty ``TORCHINDUCTOR_CACHE_DIR`` (cold), the second on the
@@ -28,7 +33,8 @@ the C++ compiler, less the passes) and the passes (``counters["passes"]["pipelin
 Cache hits are counted (AOTAutograd's and the FX graph cache's). Last, the acceptance ratios
 of the issue that asked for this benchmark: cold and warm against FSDP2 per-layer compile's,
 the cold first step at the deepest depth over the shallowest, the steady step over FSDP2
-eager's, and the passes' share of each compile.
+eager's, and the passes' share of each compile; and the floors' starts against FSDP2 per-layer
+compile's, the bound a whole-model compile meets at best.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ CONFIGS = [
     "data_parallel whole + passes",
     "data_parallel keep, whole + passes",
     "data_parallel per-layer + passes",
+    "no data parallelism, whole + regions",
+    "no data parallelism, per-layer compile",
 ]
 PEER = "FSDP2 per-layer compile"  # the start the acceptance ratios compare with
 EAGER = "FSDP2 eager"  # the steady step they compare with
@@ -86,6 +94,14 @@ def _rank_main(config: str, depth: int, steps: int, out: str) -> None:
             if "compile" in config:
                 layer.compile()
         run = fully_shard(net, mesh=mesh)
+    elif config.startswith("no data parallelism"):
+        for layer in layers:
+            if "per-layer" in config:
+                layer.compile()
+            else:
+                region = torch.compiler.nested_compile_region(type(layer).forward)
+                layer.forward = region.__get__(layer)  # type: ignore[method-assign]
+        run = net if "per-layer" in config else torch.compile(net, fullgraph=True)
     elif config.startswith("SimpleFSDP"):
         run = torch.compile(simple_fsdp(net, mesh, MixedPrecisionPolicy()), fullgraph=True)
         options = INDUCTOR_FSDP_BUCKETING
@@ -211,7 +227,8 @@ def report(rows: list[dict], depths: list[int]) -> None:
     by = {(r["config"], r["depth"]): r for r in rows}
     print("\nAgainst the peers (ratios of the table's medians):")
     for config in dict.fromkeys(r["config"] for r in rows):
-        if not config.startswith("data_parallel"):
+        floor = config.startswith("no data parallelism")
+        if not config.startswith("data_parallel") and not floor:
             continue
         for d in depths:
             r, peer, eager = by.get((config, d)), by.get((PEER, d)), by.get((EAGER, d))
@@ -221,8 +238,8 @@ def report(rows: list[dict], depths: list[int]) -> None:
             warm = ratio(r["warm"]["first_s"], peer and peer["warm"]["first_s"])
             steady = ratio(r["warm"]["steady_ms"], eager and eager["warm"]["steady_ms"])
             print(
-                f"  {config}, {d} layers: cold {cold} and warm {warm} {PEER}'s; "
-                f"steady {steady} {EAGER}'s"
+                f"  {config}, {d} layers: cold {cold} and warm {warm} {PEER}'s"
+                + ("" if floor else f"; steady {steady} {EAGER}'s")
             )
         lo, hi = by.get((config, min(depths))), by.get((config, max(depths)))
         if lo and hi and lo is not hi:
