@@ -171,22 +171,29 @@ def test_blocks_that_differ_get_subgraphs_of_their_own():
     assert _regions(fw) == (6, 3)
 
 
-def test_identical_blocks_on_inputs_of_other_sizes_get_subgraphs_of_their_own():
-    class Funnel(nn.Module):
+def _four_linears_regions(later):
+    """:func:`_regions` of the traced forward of four identical ``Linear(8, 8)`` blocks, the last
+    two called on ``later(x)`` instead of their input ``x``."""
+
+    class Four(nn.Module):
         def __init__(self):
             super().__init__()
             self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
 
         def forward(self, x):
             for i, layer in enumerate(self.layers):
-                x = layer(x if i < 2 else x[:2])
+                x = layer(x if i < 2 else later(x))
             return x
 
     fake_process_group(4)
-    model = data_parallel(Funnel(), init_device_mesh("cpu", (4,)))
+    model = data_parallel(Four(), init_device_mesh("cpu", (4,)))
     with passes.install():
         (_, fw), _ = data_parallel_graphs(model, torch.randn(4, 8, requires_grad=True))
-    calls, subgraphs = _regions(fw)
+    return _regions(fw)
+
+
+def test_identical_blocks_on_inputs_of_other_sizes_get_subgraphs_of_their_own():
+    calls, subgraphs = _four_linears_regions(lambda x: x[:2])
     # without reuse_hash_fn (torch 2.11) Dynamo compares graphs, and keeps one more here
     assert calls == 4
     assert subgraphs == 2 if HASHED else 2 <= subgraphs <= 3
@@ -201,21 +208,7 @@ def test_identical_blocks_on_inputs_of_other_sizes_get_subgraphs_of_their_own():
     "('expected len(fw_hop_nodes) == len(bw_hop_nodes), got 4 != 1'); 2.13 and 2.15 pass",
 )
 def test_identical_blocks_on_inputs_that_need_no_gradient_get_a_subgraph_of_their_own():
-    class Cut(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-
-        def forward(self, x):
-            for i, layer in enumerate(self.layers):
-                x = layer(x if i < 2 else x.detach())
-            return x
-
-    fake_process_group(4)
-    model = data_parallel(Cut(), init_device_mesh("cpu", (4,)))
-    with passes.install():
-        (_, fw), _ = data_parallel_graphs(model, torch.randn(4, 8, requires_grad=True))
-    assert _regions(fw) == (4, 2)
+    assert _four_linears_regions(torch.Tensor.detach) == (4, 2)
 
 
 def test_dynamic_shapes_keep_one_region_and_a_bucket_per_block():
