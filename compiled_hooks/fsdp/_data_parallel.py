@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -47,7 +47,7 @@ from .. import compat
 from ..marks import blocks_compile_once
 from . import accumulation, regions
 from .arguments import MODES, PIPELINE_DIM, check_arguments
-from .blocks import blocks_of
+from .blocks import blocks_of, cast_inputs
 from .gather import Gathers, Layout, gather, gather_traced, traceable
 from .root import (
     DataParallelModule,
@@ -73,6 +73,7 @@ class _Managed(Protocol):
     _data_parallel_layouts: dict[str, Layout]
     _data_parallel_region_layouts: dict[str, Layout]  # the same, named REGION (see _read_parameter)
     _data_parallel_shared: set[str]  # its attributes whose parameter other modules hold too
+    _data_parallel_leaves: dict[str, torch.Tensor]  # what its compiled reads gather (.leaves)
     _data_parallel_block: _Block  # a block's
     # its parameter attributes' (accumulator, marker), once sync was off (see .accumulation)
     _data_parallel_accumulators: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -110,13 +111,13 @@ def _managed(module: nn.Module) -> _Managed:
 def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
     """What ``module.<name>`` reads: the gathered parameter inside the root's forward and in an
     activation checkpoint's recompute (eager: a read while autograd runs a backward), the
-    sharded DTensor elsewhere."""
+    sharded DTensor elsewhere. A compiled read gathers from the parameter's leaf
+    (:mod:`.leaves`), not from the DTensor."""
     dp = module._data_parallel_root
     if dp.region_reads:
         read = dp.region_reads[-1].get((id(module), name))
         if read is not None:
             return read
-    param = module._parameters[name]
     layout = module._data_parallel_layouts[name]
     if dp.gathered:
         # one gather, one reduction of the sum, for a parameter of several modules; tested first,
@@ -125,24 +126,28 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
         gathered, key = dp.gathered[-1], layout.name if shared else ""
         if shared and key in gathered:
             return gathered[key]
-        if torch.compiler.is_compiling() and not dp.traced_root and not dp.reduction.per_parameter:
-            # A frame compiled on its own inside an eager root forward (regional compilation)
-            # gathers with a layout that names no parameter and one block whatever the block, so
-            # identical blocks trace alike and share its graph; a traced root's graph holds every
-            # block, each under its own name.
-            layout = module._data_parallel_region_layouts[name]
-        traced, accumulate = None, accumulation.NOTHING
-        if dp.traced_root and layout.tensor_parallel is None and traceable(dp.reduction):
-            traced = dp.gathers
+        traced, accumulate, shard = None, accumulation.NOTHING, None
         if torch.compiler.is_compiling():
+            shard = module._data_parallel_leaves.get(name)  # None where tensor-parallel
+            if not dp.traced_root and not dp.reduction.per_parameter:
+                # A frame compiled on its own inside an eager root forward (regional
+                # compilation) gathers with a layout that names no parameter and one block
+                # whatever the block, so identical blocks trace alike and share its graph; a
+                # traced root's graph holds every block, each under its own name.
+                layout = module._data_parallel_region_layouts[name]
+            if dp.traced_root and layout.tensor_parallel is None and traceable(dp.reduction):
+                traced = dp.gathers
             accumulate = _accumulate(module, name)
-        full = gather(param.to_local(), layout, dp.reduction, dp.reshard, None, traced, accumulate)
+        if shard is None:
+            shard = module._parameters[name].to_local()
+        full = gather(shard, layout, dp.reduction, dp.reshard, None, traced, accumulate)
         if not dp.reshard:
             _keep(dp, layout.name, full)
         full = _as_read(full, layout)
         if shared:
             gathered[key] = full
         return full
+    param = module._parameters[name]
     if not torch.compiler.is_compiling() and compat.in_backward():
         kept = dp.kept.get(layout.name)
         return _as_read(gather(param.to_local(), layout, dp.reduction, dp.reshard, kept), layout)
@@ -219,7 +224,7 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not traced or plan.tensor_parallel:
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     if plan.reads and not plan.shared and dp.gathers is not None and traceable(dp.reduction):
-        shards = [m._parameters[n].to_local() for m, n in plan.reads]
+        shards = [m._data_parallel_leaves[n] for m, n in plan.reads]
         accumulate = [_accumulate(m, n) for m, n in plan.reads]
         params = tuple(
             gather_traced(shards, list(plan.layouts), dp.gathers, dp.reshard, accumulate)
@@ -259,6 +264,21 @@ _REGION = regions.compile_region(_region_body)
 _FLAT_REGION = regions.compile_region(_flat_region_body, regions.flat_region_key)
 
 
+def _requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
+    """``nn.Module.requires_grad_``, and the leaves follow (:mod:`.leaves`)."""
+    super(type(self), self).requires_grad_(requires_grad)  # type: ignore[misc]
+    _managed(self)._data_parallel_root.leaves.follow()
+    return self
+
+
+def _setattr(self: nn.Module, name: str, value: Any) -> None:
+    """``nn.Module.__setattr__``; a parameter assigned in place of a sharded one (by
+    ``load_state_dict(assign=True)``, say) gets its leaf (:mod:`.leaves`)."""
+    super(type(self), self).__setattr__(name, value)
+    if isinstance(value, nn.Parameter) and name in vars(self).get("_data_parallel_layouts", ()):
+        _managed(self)._data_parallel_root.link_leaves()
+
+
 def _parameter_property(name: str) -> property:
     return property(lambda self: _read_parameter(self, name))
 
@@ -272,22 +292,13 @@ def _swap_class(module: nn.Module, names: Iterable[str], role: str = "") -> None
     key = (type(module), frozenset(names), role)
     if key not in _CLASSES:
         attrs: dict[str, Any] = {n: _parameter_property(n) for n in key[1]}
+        attrs["requires_grad_"], attrs["__setattr__"] = _requires_grad_, _setattr
         if role:
             attrs["forward"] = _block_forward if role == "block" else _root_forward
         roots = {"root": DataParallelModule, "stage": DataParallelStage}
         bases = (roots[role], type(module)) if role in roots else (type(module),)
         _CLASSES[key] = type(f"DataParallel{type(module).__name__}", bases, attrs)
     module.__class__ = _CLASSES[key]
-
-
-def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
-    def cast(t: Any) -> Any:
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-        return tree_map(cast, args), tree_map(cast, kwargs)
-
-    return hook
 
 
 def data_parallel(
@@ -349,10 +360,10 @@ def data_parallel(
                 shared.add(n)
         managed = _managed(m)
         managed._data_parallel_layouts, managed._data_parallel_shared = layouts, shared
-        managed._data_parallel_accumulators = {}
-        dp.accumulator_slots += [
-            (managed._data_parallel_accumulators, m, n, layouts[n]) for n in names
-        ]
+        managed._data_parallel_accumulators, managed._data_parallel_leaves = {}, {}
+        for n in names:
+            dp.accumulator_slots.append((managed._data_parallel_accumulators, m, n, layouts[n]))
+            dp.leaf_slots.append((managed._data_parallel_leaves, m._parameters, n, layouts[n]))
         managed._data_parallel_region_layouts = {
             n: dataclasses.replace(layout, name=REGION, block=REGION)
             for n, layout in layouts.items()
@@ -369,14 +380,15 @@ def data_parallel(
     dp.gathers = Gathers(dp.reduction, [layout for _, layout in sharded.values()])
     if not hasattr(module, "_data_parallel_layouts"):  # a root without parameters of its own
         root._data_parallel_layouts, root._data_parallel_shared = {}, set()
-        root._data_parallel_accumulators = {}
+        root._data_parallel_accumulators, root._data_parallel_leaves = {}, {}
         root._data_parallel_region_layouts = {}
         _swap_class(module, [], "stage" if stage else "root")
+    dp.link_leaves()
     if stage:
         as_pipeline_stage(module, dp)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         for m in [module, *block_map.values()]:
-            m.register_forward_pre_hook(_cast_inputs(mp_policy.param_dtype), with_kwargs=True)
+            m.register_forward_pre_hook(cast_inputs(mp_policy.param_dtype), with_kwargs=True)
     return module
 
 

@@ -1,15 +1,18 @@
 """The blocks ``data_parallel`` gathers together (:func:`blocks_of`): the user's, or by default
 (:func:`default_blocks`) the layers of a model's outermost layer stacks; :func:`warn_no_blocks`
-tells a user whose model has none."""
+tells a user whose model has none; :func:`cast_inputs` casts a block's inputs."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
-__all__ = ["blocks_of", "default_blocks", "warn_no_blocks"]
+__all__ = ["blocks_of", "default_blocks", "warn_no_blocks", "cast_inputs"]
 
 
 def _is_stack(container: nn.Module, layers: dict[str, nn.Module]) -> bool:
@@ -97,3 +100,16 @@ def blocks_of(module: nn.Module, blocks: Iterable[nn.Module] | None) -> dict[str
             )
         chosen[paths[b]] = b
     return chosen
+
+
+def cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
+    """A forward pre-hook (``with_kwargs=True``) that casts the floating-point tensors among a
+    module's inputs to ``dtype``, as FSDP2's ``cast_forward_inputs``."""
+
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return hook

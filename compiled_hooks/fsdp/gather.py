@@ -205,13 +205,26 @@ def traceable(reduction: Reduction) -> bool:
 class Gathers:
     """The parameters of one ``data_parallel`` root as its traced forward names them in
     :data:`GATHER_OP` calls: by ``index``, given in creation order (so one program gives the
-    same index in every process, and its graphs hit the compile caches), and by layout name."""
+    same index in every process, and its graphs hit the compile caches), and by layout name.
+    ``key`` (the op's ``code`` argument) names this package's code and the groups the op's
+    collectives run in, so the compile caches, which key a graph by its calls and its inputs'
+    shapes, never give a rank a graph traced in other groups (:meth:`rekey` after the hooks
+    change)."""
 
     def __init__(self, reduction: Reduction, layouts: list[Layout]):
         self.reduction = reduction
         self.layouts = {layout.name: layout for layout in layouts}
         self.index = next(_INDICES)
         _GATHERS[self.index] = self
+        self.rekey()
+
+    def rekey(self) -> None:
+        r = self.reduction
+        states = [
+            s.process_group for s in (r.state, r.replica_state) if isinstance(s, DefaultState)
+        ]
+        groups = [g.group_name for g in (r.shard_group, *states) if g is not None]
+        self.key = ":".join([_CODE, *groups])
 
 
 _GATHERS: weakref.WeakValueDictionary[int, Gathers] = weakref.WeakValueDictionary()
@@ -282,7 +295,7 @@ def gather_traced(
             markers,
             traced.index,
             names,
-            _CODE,
+            traced.key,
             use_reentrant=False,
             context_fn=_RESHARD if reshard else _KEEP,
         )

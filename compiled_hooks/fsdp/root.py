@@ -36,6 +36,7 @@ from ..hooks import allreduce_hook, reduce_scatter_hook
 from ..state import DefaultState
 from .finalize import reduce_accumulated
 from .gather import Gathers, Layout, Reduction
+from .leaves import Leaves
 
 __all__ = [
     "DataParallelState",
@@ -96,6 +97,14 @@ class DataParallelState:
         # each parameter's slot for its (accumulator, marker): (the map of its module's
         # attributes that a traced forward reads, the module, the attribute, its layout)
         self.accumulator_slots: list[tuple[dict[str, Any], nn.Module, str, Layout]] = []
+        # what compiled reads gather from, and per parameter slot (the map of its module that
+        # a traced forward reads, the module's own parameters, the attribute, its layout)
+        self.leaves = Leaves()
+        self.leaf_slots: list[tuple[dict[str, torch.Tensor], Any, str, Layout]] = []
+
+    def link_leaves(self) -> None:
+        """Make every parameter's leaf (:mod:`.leaves`) from the parameter as it is now."""
+        self.leaves.link(self.leaf_slots)
 
     def parameters(self) -> list[tuple[nn.Module, str, Layout]]:
         """Each parameter once, as (a module that holds it, its attribute there, its layout):
@@ -123,6 +132,8 @@ class DataParallelState:
             assert self.replicate_group is not None, "a replica hook reduces over the replicas"
             r.replica_hook, r.replica_state = replica_hook, state.for_group(self.replicate_group)
         self.comm_hook, self.comm_hook_state = hook, state
+        if self.gathers is not None:
+            self.gathers.rekey()
         for module, attr, layout in self.parameters():
             device = module.get_parameter(attr).device
             grad, out = r.hook_shapes(layout)
@@ -241,7 +252,7 @@ class DataParallelModule:
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own ``_apply`` (a stage's skips ``FSDPModule``'s, which reads an FSDP2
-        state), then its accumulators made again like its parameters now are (after
+        state), then its leaves and accumulators made again like its parameters now are (after
         ``.to(torch.float64)``, say)."""
         dp = self._data_parallel_root
         acc = dp.reduction.accumulation
@@ -252,6 +263,7 @@ class DataParallelModule:
             )
         skip = FSDPModule if isinstance(self, FSDPModule) else DataParallelModule
         result = super(skip, self)._apply(*args, **kwargs)  # type: ignore[arg-type]
+        dp.link_leaves()
         if acc.leaves:
             acc.leaves.clear()
             _prepare_accumulators(dp)
