@@ -2,6 +2,7 @@
 Inductor cache) and warm (a restarted job on the same cache), against the steady step.
 
     python -m benchmarks.first_step                          # depths 2 4 8 16, every config
+    python -m benchmarks.first_step --repeats 3              # medians of 3 rounds
     python -m benchmarks.first_step --depths 2 8 --configs "FSDP2 eager" "FSDP2 per-layer compile"
 
 Model: :mod:`benchmarks.common.llama` (HuggingFace's layout) at hidden 256, MLP 512, 8 heads, 4
@@ -24,12 +25,15 @@ ranks over loopback. Configurations:
 
 Each (configuration, depth) runs as two jobs of two fresh rank processes each (started as
 torchrun would): the first on an empty ``TORCHINDUCTOR_CACHE_DIR`` (cold), the second on the
-same directory (warm, a restart). A job times its first step (forward, backward, optimizer;
-a barrier on each side) and then the median of ``--steps`` more (the steady step, reported
-from the warm job). The cold job's compile time is split by phase, from Dynamo's
-``compilation_time_metrics``: Dynamo's trace (its frame compile less the backend), AOTAutograd
-(the backend less Inductor), Inductor (its forward and backward compiles, code generation and
-the C++ compiler, less the passes) and the passes (``counters["passes"]["pipeline: us"]``).
+same directory (warm, a restart); with ``--repeats R``, every pair runs R times, in R rounds
+over all the (configuration, depth)s, and the table gives each timing's median over the rounds
+(identical cold jobs differ by up to a fifth on these machines). A job times its first step
+(forward, backward, optimizer; a barrier on each side) and then the median of ``--steps`` more
+(the steady step, reported from the warm job). The cold job's compile time is split by phase,
+from Dynamo's ``compilation_time_metrics``: Dynamo's trace (its frame compile less the
+backend), AOTAutograd (the backend less Inductor), Inductor (its forward and backward compiles,
+code generation and the C++ compiler, less the passes) and the passes
+(``counters["passes"]["pipeline: us"]``).
 Cache hits are counted (AOTAutograd's and the FX graph cache's). Last, the acceptance ratios
 of the issue that asked for this benchmark: cold and warm against FSDP2 per-layer compile's,
 the cold first step at the deepest depth over the shallowest, the steady step over FSDP2
@@ -205,6 +209,21 @@ def run_job(config: str, depth: int, steps: int, cache: str, timeout: float) -> 
     return result
 
 
+JOBS = ("cold", "warm")
+
+
+def median_job(jobs: list[dict], kind: str) -> dict:
+    """One (configuration, depth)'s ``kind`` job ("cold" or "warm") over its rounds: each timing
+    the median of the rounds', the rest (config, caches, graphs) the first round's."""
+    results = [job[kind] for job in jobs]
+    timings = {
+        k: statistics.median(r[k] for r in results)
+        for k, v in results[0].items()
+        if isinstance(v, float) and all(r[k] is not None for r in results)
+    }
+    return {**results[0], **timings}
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
@@ -274,6 +293,9 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, metavar="CONFIG", default=CONFIGS)
     parser.add_argument("--steps", type=int, default=6, help="steady steps after the first")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of every job; the table gives medians"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a job may take")
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--plot", help="draw first step against depth to this PNG (matplotlib)")
@@ -295,19 +317,27 @@ def main() -> None:
         return
     if args.smoke:
         args.depths, args.configs, args.steps = [1], SMOKE, 1
-    print(f"first_step: depths {args.depths}, 2 gloo ranks over loopback, {os.cpu_count()} CPUs")
-    rows = []
-    for depth in args.depths:
-        for config in args.configs:
-            with tempfile.TemporaryDirectory(prefix="first_step_cache_") as cache:
-                cold = run_job(config, depth, 0, cache, args.timeout)
-                warm = run_job(config, depth, args.steps, cache, args.timeout)
-            rows.append({"config": config, "depth": depth, "cold": cold, "warm": warm})
-            print(
-                f"  {config}, {depth} layers: cold {cold['first_s']:.1f} s, warm "
-                f"{warm['first_s']:.1f} s, steady {warm['steady_ms']:.0f} ms",
-                flush=True,
-            )
+    print(
+        f"first_step: depths {args.depths}, {args.repeats} round(s), 2 gloo ranks over "
+        f"loopback, {os.cpu_count()} CPUs"
+    )
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for round_ in range(args.repeats):  # rounds outermost: a drift of the machine hits all alike
+        for depth in args.depths:
+            for config in args.configs:
+                with tempfile.TemporaryDirectory(prefix="first_step_cache_") as cache:
+                    cold = run_job(config, depth, 0, cache, args.timeout)
+                    warm = run_job(config, depth, args.steps, cache, args.timeout)
+                runs.setdefault((config, depth), []).append({"cold": cold, "warm": warm})
+                print(
+                    f"  round {round_ + 1}, {config}, {depth} layers: cold {cold['first_s']:.1f} "
+                    f"s, warm {warm['first_s']:.1f} s, steady {warm['steady_ms']:.0f} ms",
+                    flush=True,
+                )
+    rows = [
+        {"config": c, "depth": d, "runs": len(jobs), **{k: median_job(jobs, k) for k in JOBS}}
+        for (c, d), jobs in runs.items()
+    ]
     report(rows, args.depths)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
