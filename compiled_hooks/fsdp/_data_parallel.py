@@ -32,7 +32,6 @@ backward, collectives included, as one graph (the SimpleFSDP design).
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -130,10 +129,9 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
         if torch.compiler.is_compiling():
             shard = module._data_parallel_leaves.get(name)  # None where tensor-parallel
             if not dp.traced_root and not dp.reduction.per_parameter:
-                # A frame compiled on its own inside an eager root forward (regional
-                # compilation) gathers with a layout that names no parameter and one block
-                # whatever the block, so identical blocks trace alike and share its graph; a
-                # traced root's graph holds every block, each under its own name.
+                # A frame compiled on its own inside an eager root forward gathers with a layout
+                # that names no parameter and one block whatever the block, so identical blocks
+                # trace alike and share its graph; a traced root's graph names every block.
                 layout = module._data_parallel_region_layouts[name]
             if dp.traced_root and layout.tensor_parallel is None and traceable(dp.reduction):
                 traced = dp.gathers
@@ -142,7 +140,7 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
             shard = module._parameters[name].to_local()
         full = gather(shard, layout, dp.reduction, dp.reshard, None, traced, accumulate)
         if not dp.reshard:
-            _keep(dp, layout.name, full)
+            dp.keep(layout.name, full)
         full = _as_read(full, layout)
         if shared:
             gathered[key] = full
@@ -168,21 +166,6 @@ def _as_read(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     if tp is None:
         return full
     return DTensor.from_local(full, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
-
-
-def _keep(dp: DataParallelState, name: str, full: torch.Tensor) -> None:
-    """``reshard_after_forward=False``, eager: hold the gathered ``full`` for a recompute until
-    autograd has reduced its gradient (compiled, the partitioner saves it instead)."""
-    if torch.compiler.is_compiling() or full.grad_fn is None:
-        return
-    dp.kept[name] = full
-    ref = weakref.ref(full)
-
-    def drop(*_: Any) -> None:
-        if dp.kept.get(name) is ref():  # not a later forward's
-            del dp.kept[name]
-
-    full.grad_fn.register_hook(drop)
 
 
 def _root_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -273,9 +256,19 @@ def _requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
 
 def _setattr(self: nn.Module, name: str, value: Any) -> None:
     """``nn.Module.__setattr__``; a parameter assigned in place of a sharded one (by
-    ``load_state_dict(assign=True)``, say) gets its leaf (:mod:`.leaves`)."""
+    ``load_state_dict(assign=True)``, say) is a DTensor (``TypeError`` before it is assigned
+    otherwise) and gets its leaf (:mod:`.leaves`)."""
+    sharded = isinstance(value, nn.Parameter) and name in vars(self).get(
+        "_data_parallel_layouts", ()
+    )
+    if sharded and not isinstance(value, DTensor):
+        raise TypeError(
+            f"data_parallel: {type(self).__name__}.{name} is sharded, and a {type(value).__name__} "
+            "is no DTensor shard: assign a DTensor of the placements data_parallel made (as "
+            "load_state_dict(assign=True) of its state_dict does)"
+        )
     super(type(self), self).__setattr__(name, value)
-    if isinstance(value, nn.Parameter) and name in vars(self).get("_data_parallel_layouts", ()):
+    if sharded:
         _managed(self)._data_parallel_root.link_leaves()
 
 

@@ -102,6 +102,20 @@ class DataParallelState:
         self.leaves = Leaves()
         self.leaf_slots: list[tuple[dict[str, torch.Tensor], Any, str, Layout]] = []
 
+    def keep(self, name: str, full: torch.Tensor) -> None:
+        """``reshard_after_forward=False``, eager: hold the gathered ``full`` for a recompute
+        until autograd has reduced its gradient (compiled, the partitioner saves it instead)."""
+        if torch.compiler.is_compiling() or full.grad_fn is None:
+            return
+        self.kept[name] = full
+        ref = weakref.ref(full)
+
+        def drop(*_: Any) -> None:
+            if self.kept.get(name) is ref():  # not a later forward's
+                del self.kept[name]
+
+        full.grad_fn.register_hook(drop)
+
     def link_leaves(self) -> None:
         """Make every parameter's leaf (:mod:`.leaves`) from the parameter as it is now."""
         self.leaves.link(self.leaf_slots)

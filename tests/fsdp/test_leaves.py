@@ -107,6 +107,11 @@ def leaves_worker(rank, world_size):
     }
     model.load_state_dict(shards, assign=True)
     torch.testing.assert_close(compiled(x), ref(x))
+    # a parameter that is no shard, assigned: refused by name, the module unchanged
+    with pytest.raises(TypeError, match="Linear.bias is sharded, and a Parameter is no DTensor"):
+        model[2].bias = nn.Parameter(torch.zeros(8))
+    model[2].bias = nn.Parameter(shards["2.bias"])  # a shard, assigned: followed
+    torch.testing.assert_close(compiled(x), ref(x))
     # a parameter replaced around the module: refused by name
     model[0]._parameters["weight"] = nn.Parameter(model[0].weight.detach().clone())
     with pytest.raises(RuntimeError, match="'0.weight' no longer holds the shard"):
