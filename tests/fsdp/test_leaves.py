@@ -48,11 +48,11 @@ def _net():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
 
 
-def _grads_match(model, ref, scale=1.0):
-    """Each DTensor parameter's gradient, gathered, against ``ref``'s times ``scale``."""
+def _grads_match(model, ref):
+    """Each DTensor parameter's gradient, gathered, against ``ref``'s."""
     for p, r in zip(model.parameters(), ref.parameters()):
         assert isinstance(p.grad, DTensor) and p.grad.placements == (Shard(0),)
-        torch.testing.assert_close(p.grad.full_tensor(), r.grad * scale)
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad)
 
 
 def leaves_worker(rank, world_size):
@@ -62,7 +62,7 @@ def leaves_worker(rank, world_size):
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))  # alike on every rank
     outcome = {}
 
-    def step(run, net):
+    def step(run):
         with passes.install():
             run(x).square().sum().backward()
 
@@ -70,8 +70,8 @@ def leaves_worker(rank, world_size):
     fired = []
     model[0].weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad is not None))
     for _ in range(2):
-        step(compiled, model)
-        step(ref, ref)
+        step(compiled)
+        step(ref)
     _grads_match(model, ref)
     outcome["hook"] = list(fired)
     # an optimizer step in place reaches what the compiled forward reads
@@ -81,21 +81,21 @@ def leaves_worker(rank, world_size):
     torch.testing.assert_close(compiled(x), ref(x))
     # frozen through the module, and unfrozen: no gradient, then gradients again
     model[0].requires_grad_(False)
-    step(compiled, model)
+    step(compiled)
     outcome["frozen"] = [p.grad is None for p in model.parameters()]
     model.zero_grad()
     model[0].requires_grad_(True)
-    step(compiled, model)
-    step(ref, ref)
+    step(compiled)
+    step(ref)
     _grads_match(model, ref)
     model.zero_grad()
     # frozen around the module: the gradient is dropped; unfrozen around it: refused by name
     model[2].bias.requires_grad_(False)
-    step(compiled, model)
+    step(compiled)
     outcome["dropped"] = model[2].bias.grad is None
     model[2].bias.requires_grad_(True)
     with pytest.raises(RuntimeError, match="'2.bias' was set to require grad after"):
-        step(compiled, model)
+        step(compiled)
     model[2].requires_grad_(True)
     model.zero_grad()
     # loaded by assignment (a parameter assigned through the module): followed
@@ -110,12 +110,13 @@ def leaves_worker(rank, world_size):
     # a parameter that is no shard, assigned: refused by name, the module unchanged
     with pytest.raises(TypeError, match="Linear.bias is sharded, and a Parameter is no DTensor"):
         model[2].bias = nn.Parameter(torch.zeros(8))
+    assert isinstance(model[2].bias, DTensor)
     model[2].bias = nn.Parameter(shards["2.bias"])  # a shard, assigned: followed
     torch.testing.assert_close(compiled(x), ref(x))
     # a parameter replaced around the module: refused by name
     model[0]._parameters["weight"] = nn.Parameter(model[0].weight.detach().clone())
     with pytest.raises(RuntimeError, match="'0.weight' no longer holds the shard"):
-        step(compiled, model)
+        step(compiled)
     return outcome
 
 
