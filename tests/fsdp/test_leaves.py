@@ -120,6 +120,7 @@ def leaves_worker(rank, world_size):
     return outcome
 
 
+@pytest.mark.slow  # two rank processes, a compile each and several recompiles
 def test_gradients_move_to_the_parameters_and_changes_are_followed_or_refused():
     for outcome in run_ranks(leaves_worker, 2, timeout=300):
         assert outcome == {
