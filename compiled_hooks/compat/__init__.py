@@ -58,6 +58,7 @@ from .autograd import (
     in_backward,
     python_reducer,
     queue_backward_callback,
+    run_post_accumulate_grad_hooks,
     set_python_reducer,
     to_local_keeps_none_gradients,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "group_size_by_name",
     "in_backward",
     "queue_backward_callback",
+    "run_post_accumulate_grad_hooks",
     "fake_tensor_cache_off",
     "register_log",
     "StridedShard",
@@ -169,6 +171,7 @@ OWNED = (
     "gen_schema",
     "_bucket_config",
     "_execution_engine",
+    "_post_accumulate_grad_hooks",
     "disable_fake_tensor_cache",
     "register_log",
     "_stable_hash_for_caching",

@@ -17,6 +17,7 @@ from torch.autograd import Variable
 __all__ = [
     "in_backward",
     "queue_backward_callback",
+    "run_post_accumulate_grad_hooks",
     "compiled_autograd_enabled",
     "python_reducer",
     "set_python_reducer",
@@ -35,6 +36,13 @@ def in_backward() -> bool:
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward ends (call it inside one)."""
     Variable._execution_engine.queue_callback(callback)
+
+
+def run_post_accumulate_grad_hooks(t: torch.Tensor) -> None:
+    """Run the post-accumulate-grad hooks registered on ``t``, as autograd runs them after it
+    accumulates into ``t.grad``."""
+    for hook in (t._post_accumulate_grad_hooks or {}).values():
+        hook(t)
 
 
 _PYTHON_REDUCER: Final = "python_reducer"

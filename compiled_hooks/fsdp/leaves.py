@@ -107,8 +107,7 @@ class Leaves:
                     )
                 else:
                     _local(param.grad).add_(grad)
-            for hook in (param._post_accumulate_grad_hooks or {}).values():
-                hook(param)
+            compat.run_post_accumulate_grad_hooks(param)
 
         return move
 
