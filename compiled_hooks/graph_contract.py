@@ -31,8 +31,9 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
 - **Blocks as regions** (:mod:`compiled_hooks.fsdp.regions`): inside
   :func:`compile_blocks_once`, a traced ``data_parallel`` root runs each block as an
   ``invoke_subgraph`` region on its gathered parameters; the gathers and reductions stay outside
-  it. The passes turn the switch on with the joint-graph rewrite that keeps
-  ``reshard_after_forward`` (``passes.forward_region_inputs``).
+  it, and a traced gather runs under no checkpoint, its nodes marked ``meta["custom"][RESHARD]``
+  (its ``reshard_after_forward``). The passes turn the switch on with the joint-graph rewrites
+  that keep it (``passes.recompute_gathers`` tags the gathers; ``passes.forward_region_inputs``).
 - **A block's bucket copies** (:mod:`.bucket_copies`): the passes write a block bucket's
   copy-in as :data:`BUCKET_PACK` and an all-gather bucket's copy-out as :data:`BUCKET_UNPACK`;
   the all-to-all forms of gloo's collectives copy with them too, and a reduce-scatter's local
@@ -50,7 +51,7 @@ import os
 
 from .bucket_copies import BUCKET_PACK, BUCKET_UNPACK
 from .int8.ops import DEQUANTIZE_PACKED
-from .marks import BLOCK, INT8, blocks_compile_once, compile_blocks_once
+from .marks import BLOCK, INT8, RESHARD, blocks_compile_once, compile_blocks_once
 from .powersgd.ops import POWERSGD_COUNT
 from .rank_guard import CHECK_RANKS
 from .rank_sum import RANK_SUM
@@ -67,6 +68,7 @@ __all__ = [
     "GROUP_RANK",
     "POWERSGD_COUNT",
     "RANK_SUM",
+    "RESHARD",
     "VERIFY_ENV",
     "env_flag",
     "compile_blocks_once",

@@ -46,6 +46,7 @@ from .core.cache_key import cache_key
 from .core.marks import block_of
 from .forward_region_inputs import forward_region_inputs
 from .pipeline import Pipeline, default_pipeline
+from .recompute_gathers import recompute_gathers
 
 __all__ = [
     "Installation",
@@ -87,8 +88,9 @@ CACHE_AUTOGRAD_FUNCTIONS = {"autograd_cache_allow_custom_autograd_functions": Tr
 
 
 class _JointPass(compat.CustomGraphPass):
-    """:func:`forward_region_inputs` after the joint passes ``previous`` set before install
-    (None, one pass or a list: :func:`compiled_hooks.compat.post_passes`'s settings)."""
+    """:func:`recompute_gathers`, then :func:`forward_region_inputs` (which copies the tags it
+    set), after the joint passes ``previous`` set before install (None, one pass or a list:
+    :func:`compiled_hooks.compat.post_passes`'s settings)."""
 
     def __init__(self, previous: Any):
         self.previous = previous
@@ -96,6 +98,7 @@ class _JointPass(compat.CustomGraphPass):
     def __call__(self, graph: Any) -> None:
         for joint_pass in compat.post_passes(self.previous):
             joint_pass(graph)
+        recompute_gathers(graph)
         forward_region_inputs(graph)
 
     def uuid(self) -> str | None:
@@ -105,7 +108,7 @@ class _JointPass(compat.CustomGraphPass):
         ids = [p.uuid() for p in before]
         if None in ids:
             return None
-        return f"{ids}:{cache_key([forward_region_inputs], {}, False)}"
+        return f"{ids}:{cache_key([recompute_gathers, forward_region_inputs], {}, False)}"
 
 
 def install(

@@ -28,11 +28,14 @@ the op's ``CompositeImplicitAutograd`` kernel: a block's parameters as one all-g
 hook call (:mod:`.block_gather`) where that gives the same values, else the function above per
 parameter.
 
-Under ``torch.compile`` the gather runs under a selective activation checkpoint. With
-``reshard=True`` its policy recomputes every op in it, so the partitioner saves the shard, not
-the gathered parameter, and the backward graph gathers again (int8 again, with int8 gathers).
-With ``reshard=False`` its policy saves every op, so a user's checkpoint around the module
-recomputes the module but not the gather.
+Under ``torch.compile`` the gather has a recompute policy. With ``reshard=True`` every op of its
+forward is recomputed, so the partitioner saves the shard, not the gathered parameter, and the
+backward graph gathers again (int8 again, with int8 gathers). With ``reshard=False`` every op
+is saved, so a user's checkpoint around the module recomputes the module but not the gather.
+The policy is a selective activation checkpoint around the gather; inside
+:func:`~compiled_hooks.marks.compile_blocks_once` (``passes.install()``) it is the mark
+``meta["custom"][RESHARD]`` instead, which the passes' joint-graph pass turns into the same
+tags, so Dynamo and AOTAutograd trace no checkpoint region per gather.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from torch.utils.checkpoint import (
 
 from .. import compat, weight_gathers
 from ..hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
-from ..marks import BLOCK
+from ..marks import BLOCK, RESHARD, blocks_compile_once
 from ..state import DefaultState, LowPrecisionState
 from . import block_gather
 from .accumulation import NOTHING, Accumulate
@@ -274,6 +277,17 @@ _LIBRARY.impl("data_parallel_gather", _gather_kernel, "CompositeImplicitAutograd
 GATHER_OP = torch.ops.compiled_hooks.data_parallel_gather.default
 
 
+def _with_policy(fn: Callable[..., Any], args: tuple, block: str, reshard: bool) -> Any:
+    """``fn(*args)``, traced, under the gather's recompute policy (see the module docstring),
+    its nodes marked with ``block``."""
+    if blocks_compile_once():
+        with torch.fx.traceback.annotate({BLOCK: block, RESHARD: reshard}):
+            return fn(*args)
+    with torch.fx.traceback.annotate({BLOCK: block}):
+        context_fn = _RESHARD if reshard else _KEEP
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+
+
 def gather_traced(
     shards: list[torch.Tensor],
     layouts: list[Layout],
@@ -282,23 +296,12 @@ def gather_traced(
     accumulate: list[Accumulate],
 ) -> list[torch.Tensor]:
     """The full parameters of ``shards``, of one block, gathered in one :data:`GATHER_OP` call
-    under one checkpoint (a whole-model trace with :func:`traceable` hooks: see
+    under one recompute policy (a whole-model trace with :func:`traceable` hooks: see
     :func:`gather`)."""
     names = [layout.name for layout in layouts]
     leaves, pending, markers = (list(column) for column in zip(*accumulate))
-    with torch.fx.traceback.annotate({BLOCK: layouts[0].block}):
-        return checkpoint(
-            GATHER_OP,
-            shards,
-            leaves,
-            pending,
-            markers,
-            traced.index,
-            names,
-            traced.key,
-            use_reentrant=False,
-            context_fn=_RESHARD if reshard else _KEEP,
-        )
+    args = (shards, leaves, pending, markers, traced.index, names, traced.key)
+    return _with_policy(GATHER_OP, args, layouts[0].block, reshard)
 
 
 def gather(
@@ -326,16 +329,8 @@ def gather(
     compiling = reduction.shard_group is not None and torch.compiler.is_compiling()
     if compiling and traced is not None:
         return gather_traced([shard], [layout], traced, reshard, [accumulate])[0]
+    args = (shard, layout, reduction, None, *accumulate)
+    if compiling:
+        return _with_policy(_GatherReduce.apply, args, layout.block, reshard)
     with torch.fx.traceback.annotate({BLOCK: layout.block}):
-        if compiling:
-            return checkpoint(
-                _GatherReduce.apply,
-                shard,
-                layout,
-                reduction,
-                None,
-                *accumulate,
-                use_reentrant=False,
-                context_fn=_RESHARD if reshard else _KEEP,
-            )
-        return _GatherReduce.apply(shard, layout, reduction, None, *accumulate)
+        return _GatherReduce.apply(*args)
