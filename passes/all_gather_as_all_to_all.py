@@ -16,6 +16,10 @@ Row block j of the input goes to rank j and block j of the output comes from ran
 output is the all_gather's, bit for bit, with the same bytes on the wire; the cost is one local
 copy of ``N * x`` per collective, an opaque ``bucket_pack`` call
 (:mod:`compiled_hooks.bucket_copies`), which costs Inductor no kernel to compile for each size.
+Where ``x`` is itself a flat ``bucket_pack`` read only by the all_gather (a block's bucket), its
+pieces are packed ``N`` times in one call, and the bucket is not copied twice::
+
+    x = bucket_pack(pieces, 1)                ->    c = view(bucket_pack(pieces * N, 1), [N * d])
 An input of more than ``all_to_all_chunk_bytes`` goes out in several all_to_alls of at most
 that many bytes per destination, all issued where the all_gather was and all waited for where
 its wait was (gloo moves one large all_to_all well below a bandwidth-bound link's rate, pieces
@@ -56,9 +60,13 @@ PASS = "all_gather_as_all_to_all"
 
 
 def _copies(graph: Graph, x: Node, size: int) -> Node:
-    """``size`` copies of ``x`` stacked along its first dimension."""
+    """``size`` copies of ``x`` stacked along its first dimension: of the pieces of ``x`` where
+    ``x`` is a flat ``bucket_pack`` with no other user (the call left without users)."""
     shape = list(val(x).shape)
-    packed = new_node(graph, BUCKET_PACK, ([x] * size, 1))
+    pieces: list[Node] = [x]
+    if is_op(x, (BUCKET_PACK,)) and x.args[1] == 1 and len(x.users) == 1:
+        pieces = cast(list[Node], x.args[0])
+    packed = new_node(graph, BUCKET_PACK, (pieces * size, 1))
     return new_node(graph, aten.view.default, (packed, [size * shape[0], *shape[1:]]))
 
 
@@ -136,6 +144,8 @@ def all_gather_as_all_to_all(
                 a2a = new_node(graph, ALL_TO_ALL, (_copies(graph, x, size), splits, splits, group))
             ag.replace_all_uses_with(a2a)
         graph.erase_node(ag)
+        if not x.users:
+            graph.erase_node(x)
         record(PASS, "all_gather -> all_to_all", a2a)
         changed = True
     return changed

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from compiled_hooks.compat import all_gather_single, reduce_scatter_single
-from compiled_hooks.graph_contract import BLOCK
+from compiled_hooks.graph_contract import BLOCK, BUCKET_PACK
 from passes import (
     all_gather_as_all_to_all,
     bucket_block_all_gathers,
@@ -617,6 +617,41 @@ add: f32[2, 3] = aten.add(convert_element_type_1, 1)
 return add""",
         )
         self.assertTrue(check_rewrite("reduce_scatter_as_all_to_all", before, gm.graph))
+
+
+class TestAllGatherAsAllToAll(PassTestCase):
+    def test_a_bucket_is_packed_once(self):
+        """A flat bucket that only the all_gather reads: its pieces packed N times in one copy,
+        and the bucket's own pack gone; a bucket read by anything else is copied N times."""
+        _ = trace(lambda: None, world_size=2)
+
+        def gather(a, b):
+            return all_gather_single(BUCKET_PACK([a, b], 1), 0, dist.group.WORLD)
+
+        def gather_and_read(a, b):
+            bucket = BUCKET_PACK([a, b], 1)
+            return all_gather_single(bucket, 0, dist.group.WORLD), bucket * 2
+
+        x, y = torch.randn(2), torch.randn(3, 1)
+        gm = trace(gather, x, y, world_size=2)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, all_gather_as_all_to_all, all_gather_backends={"fake"})
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
+a_1: f32[2] = input
+b_1: f32[3, 1] = input
+bucket_pack_default: f32[10] = compiled_hooks.bucket_pack([a_1, b_1, a_1, b_1], 1)
+view_default: f32[10] = aten.view(bucket_pack_default, [10])
+all_to_all_single_default: f32[10] = c10d.all_to_all_single(view_default, [5, 5], [5, 5], group(size=2))
+wait_tensor: f32[10] = c10d.wait_tensor(all_to_all_single_default)
+return wait_tensor""",
+        )
+        self.assertTrue(check_rewrite("all_gather_as_all_to_all", before, gm.graph))
+        gm = trace(gather_and_read, x, y, world_size=2)
+        all_gather_as_all_to_all(gm.graph, all_gather_backends={"fake"})
+        packs = [n.args[0] for n in gm.graph.nodes if n.target is BUCKET_PACK]
+        self.assertEqual([len(p) for p in packs], [2, 2])
 
 
 class TestAllGatherAsAllToAllInPieces(PassTestCase):
