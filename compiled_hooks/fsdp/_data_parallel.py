@@ -158,6 +158,15 @@ def _accumulate(module: _Managed, name: str) -> accumulation.Accumulate:
     return accumulation.traced(module._data_parallel_accumulators.get(name), reduces)
 
 
+def _accumulates(dp: DataParallelState, reads: tuple) -> list[accumulation.Accumulate]:
+    """:func:`_accumulate` of every ``(module, name)`` of ``reads``. Accumulators are made for
+    every parameter at once, so none made means nothing to look up (one guard, not one per
+    parameter)."""
+    if not dp.reduction.accumulation.leaves:
+        return [accumulation.NOTHING] * len(reads)
+    return [_accumulate(m, n) for m, n in reads]
+
+
 def _as_read(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The gathered ``full`` as the module reads it: under tensor parallelism, the DTensor
     whose local tensor it is (whose backward gives the gradient in the tensor-parallel
@@ -208,7 +217,7 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     if plan.reads and not plan.shared and dp.gathers is not None and traceable(dp.reduction):
         shards = [m._data_parallel_leaves[n] for m, n in plan.reads]
-        accumulate = [_accumulate(m, n) for m, n in plan.reads]
+        accumulate = _accumulates(dp, plan.reads)
         params = tuple(
             gather_traced(shards, list(plan.layouts), dp.gathers, dp.reshard, accumulate)
         )
