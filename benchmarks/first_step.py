@@ -203,13 +203,33 @@ def run_job(config: str, depth: int, steps: int, cache: str, timeout: float) -> 
         for p in procs:
             p.kill()
     if any(codes):
-        raise SystemExit(f"first_step: {config} at depth {depth} failed (exit codes {codes})")
+        raise JobFailed(f"{config} at depth {depth} failed (exit codes {codes})")
     result = json.loads(pathlib.Path(out).read_text())
     os.unlink(out)
     return result
 
 
+class JobFailed(RuntimeError):
+    """A job's rank exited with an error (gloo aborts a rank now and then as it shuts down)."""
+
+
 JOBS = ("cold", "warm")
+
+
+def run_pair(config: str, depth: int, steps: int, timeout: float, retries: int) -> dict:
+    """``{"cold": ..., "warm": ...}``: a cold job on a new cache, then a warm one on it; the pair
+    runs again on a new cache, ``retries`` times at most, where a job fails."""
+    failure = None
+    for _ in range(retries + 1):
+        if failure is not None:
+            print(f"  {failure}: run again", flush=True)
+        with tempfile.TemporaryDirectory(prefix="first_step_cache_") as cache:
+            try:
+                cold = run_job(config, depth, 0, cache, timeout)
+                return {"cold": cold, "warm": run_job(config, depth, steps, cache, timeout)}
+            except JobFailed as e:
+                failure = e
+    raise SystemExit(f"first_step: {failure}")
 
 
 def median_job(jobs: list[dict], kind: str) -> dict:
@@ -297,6 +317,9 @@ def main() -> None:
         "--repeats", type=int, default=1, help="rounds of every job; the table gives medians"
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a job may take")
+    parser.add_argument(
+        "--retries", type=int, default=1, help="times a failed (cold, warm) pair runs again"
+    )
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--plot", help="draw first step against depth to this PNG (matplotlib)")
     parser.add_argument(
@@ -325,10 +348,9 @@ def main() -> None:
     for round_ in range(args.repeats):  # rounds outermost: a drift of the machine hits all alike
         for depth in args.depths:
             for config in args.configs:
-                with tempfile.TemporaryDirectory(prefix="first_step_cache_") as cache:
-                    cold = run_job(config, depth, 0, cache, args.timeout)
-                    warm = run_job(config, depth, args.steps, cache, args.timeout)
-                runs.setdefault((config, depth), []).append({"cold": cold, "warm": warm})
+                pair = run_pair(config, depth, args.steps, args.timeout, args.retries)
+                runs.setdefault((config, depth), []).append(pair)
+                cold, warm = pair["cold"], pair["warm"]
                 print(
                     f"  round {round_ + 1}, {config}, {depth} layers: cold {cold['first_s']:.1f} "
                     f"s, warm {warm['first_s']:.1f} s, steady {warm['steady_ms']:.0f} ms",
