@@ -60,8 +60,8 @@ PASS = "all_gather_as_all_to_all"
 
 
 def _copies(graph: Graph, x: Node, size: int) -> Node:
-    """``size`` copies of ``x`` stacked along its first dimension: of the pieces of ``x`` where
-    ``x`` is a flat ``bucket_pack`` with no other user (the call left without users)."""
+    """``size`` copies of ``x`` stacked along its first dimension; where ``x`` is a flat
+    ``bucket_pack`` with no other user, of its pieces (the caller erases ``x`` then)."""
     shape = list(val(x).shape)
     pieces: list[Node] = [x]
     if is_op(x, (BUCKET_PACK,)) and x.args[1] == 1 and len(x.users) == 1:

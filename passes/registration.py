@@ -13,8 +13,10 @@ keeps the order the passes made.
 
 It turns on ``data_parallel``'s block regions (:mod:`compiled_hooks.fsdp.regions`: a whole-model
 compile traces, partitions and generates each distinct block once) and registers
+:func:`~passes.recompute_gathers.recompute_gathers` and
 :func:`~passes.forward_region_inputs.forward_region_inputs` as Inductor's
-``joint_custom_pre_pass``, which keeps ``reshard_after_forward`` across the regions. A
+``joint_custom_pre_pass``, which keep ``reshard_after_forward`` for the gathers, which run
+under no checkpoint there, and across the regions. A
 ``joint_custom_pre_pass`` already set runs first. While installed, ``invoke_subgraph``
 computes a region call's schema once per subgraph and kind of operands
 (:func:`compiled_hooks.compat.region_schemas_reused`), not once per call, and Inductor lowers a
