@@ -28,17 +28,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_hooks.graph_contract import RESHARD
 
+from .core.traversal import dependents
+
 __all__ = ["recompute_gathers"]
-
-
-def _backward(graph: Graph) -> set[Node]:
-    """The nodes of a joint graph that read a tangent, directly or not."""
-    reached: set[Node] = set()
-    for node in graph.nodes:
-        tangent = node.op == "placeholder" and str(node.target).startswith("tangents")
-        if tangent or any(n in reached for n in node.all_input_nodes):
-            reached.add(node)
-    return reached
 
 
 def _policy(node: Node) -> bool | None:
@@ -49,17 +41,20 @@ def _policy(node: Node) -> bool | None:
 def recompute_gathers(graph: Graph) -> bool:
     """Tag the forward nodes of the marked gathers (see the module docstring). True when a node
     was marked."""
-    marked = [n for n in graph.nodes if _policy(n) is not None]
+    marked = {n: reshard for n in graph.nodes if (reshard := _policy(n)) is not None}
     if not marked:
         return False
-    backward, others = _backward(graph), set(graph.nodes).difference(marked)
+    tangents = [
+        n for n in graph.find_nodes(op="placeholder") if str(n.target).startswith("tangents")
+    ]
+    backward = dependents(tangents)  # the nodes that read a tangent, directly or not
+    others = (n for n in graph.nodes if n not in marked)
     graph_id = 1 + max((n.meta.get("ac_graph_id", 0) for n in others), default=0)
-    for node in marked:
+    for node, reshard in marked.items():
         if node in backward:
             continue
-        recompute = _policy(node)
         node.meta["recompute"] = (
-            CheckpointPolicy.MUST_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
+            CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
         )
         node.meta["ac_graph_id"] = graph_id
     return True
