@@ -130,6 +130,7 @@ def test_several_custom_passes_run_in_order_on_either_form(monkeypatch, lists):
 
 def _gather_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     group = dist.group.WORLD
     t = torch.arange(6.0).reshape(2, 3) + 10 * rank
@@ -141,17 +142,27 @@ def _gather_worker(rank: int, world_size: int) -> dict:
     functional = [compat.all_gather_single(t, d, group) for d in (0, 1)]
     compat._gathers_off_host_on_gloo = lambda t, group: True  # this rank process only
     c10d = [compat.all_gather_single(t, d, group) for d in (0, 1)]
-    return {"takes_c10d": takes_c10d, "functional": [x * 1 for x in functional], "c10d": c10d}
+    # traced on fake tensors (AOTAutograd's form, not compiling on torch 2.11): the functional
+    traced = make_fx(lambda x: compat.all_gather_single(x, 0, group), tracing_mode="fake")(t)
+    ops = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+    return {
+        "takes_c10d": takes_c10d,
+        "functional": [x * 1 for x in functional],
+        "c10d": c10d,
+        "traced": [op for op in ops if "gather" in op],
+    }
 
 
 def test_device_gathers_on_gloo_take_c10d_with_the_functional_values():
     """gloo's functional all-gather has no device form (a CUDA tensor faults the process), so
-    eager device gathers on gloo take c10d's; here forced on CPU, where both forms run."""
+    eager device gathers on gloo take c10d's; here forced on CPU, where both forms run. Traced,
+    they stay functional (Inductor cannot lower c10d's)."""
     from tests.ranks import run_ranks
 
     expected = [torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(2)]
     for out in run_ranks(_gather_worker, 2):
         assert out["takes_c10d"] == {"host": False, "device": True, "device, a rank list": False}
+        assert out["traced"] == ["_c10d_functional.all_gather_into_tensor.default"]
         for d, (functional, c10d) in enumerate(zip(out["functional"], out["c10d"])):
             torch.testing.assert_close(functional, torch.cat(expected, d), rtol=0, atol=0)
             torch.testing.assert_close(c10d, functional, rtol=0, atol=0)

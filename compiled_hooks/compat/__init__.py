@@ -216,10 +216,13 @@ def all_gather_single(t: torch.Tensor, gather_dim: int, group: Any) -> torch.Ten
     Eager, a device tensor on gloo goes through c10d's ``all_gather_into_tensor`` instead, and
     the result is complete on return: gloo runs the functional form as ``allgather_coalesced``,
     which has no device form and reads the device pointer as host memory (the process faults).
+    Traced (Dynamo, or AOTAutograd's fake tensors, where torch 2.11 says it is not compiling),
+    the functional form is the one: Inductor cannot lower c10d's.
     """
     gather = _collective(_ALL_GATHER, "all_gather_single")
     t = t.contiguous()
-    if not torch.compiler.is_compiling() and _gathers_off_host_on_gloo(t, group):
+    traced = torch.compiler.is_compiling() or fake_mode(t) is not None
+    if not traced and _gathers_off_host_on_gloo(t, group):
         size = dist.get_world_size(group)
         out = t.new_empty((size * t.shape[0], *t.shape[1:]))
         all_gather_into(out, t, group)
