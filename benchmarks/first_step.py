@@ -4,10 +4,13 @@ Inductor cache) and warm (a restarted job on the same cache), against the steady
     python -m benchmarks.first_step                          # depths 2 4 8 16, every config
     python -m benchmarks.first_step --repeats 3              # medians of 3 rounds
     python -m benchmarks.first_step --depths 2 8 --configs "FSDP2 eager" "FSDP2 per-layer compile"
+    python -m benchmarks.first_step --device cuda            # a lent GPU: the 1B Llama
 
 Model: :mod:`benchmarks.common.llama` (HuggingFace's layout) at hidden 256, MLP 512, 8 heads, 4
 key/value heads, vocabulary 1024, ``--depths`` layers; a batch of 4 x 64 tokens, fp32 SGD, 2 gloo
-ranks over loopback. Configurations:
+ranks over loopback. With ``--device cuda``: one NCCL rank (the lent machines have one GPU) on
+``LLAMA_1B`` in bf16 (dim 2048, 18 layers, vocabulary 32000), a batch of 4 x 512 tokens, and
+``GPU_CONFIGS``. Configurations:
 
 - FSDP2 eager: ``fully_shard`` per layer and the root;
 - FSDP2 per-layer compile: the same, each layer ``.compile()``d (torchtitan's default);
@@ -44,6 +47,7 @@ compile's, the bound a whole-model compile meets at best.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -54,6 +58,7 @@ import tempfile
 import time
 
 from benchmarks.common.launch import ROOT, module_command
+from benchmarks.common.llama import LLAMA_1B, Config
 
 CONFIGS = [
     "FSDP2 eager",
@@ -68,9 +73,31 @@ CONFIGS = [
 PEER = "FSDP2 per-layer compile"  # the start the acceptance ratios compare with
 EAGER = "FSDP2 eager"  # the steady step they compare with
 SMOKE = ["FSDP2 eager", "data_parallel whole + passes"]
+GPU_CONFIGS = [EAGER, PEER, "data_parallel whole + passes", "no data parallelism, whole + regions"]
 
 
-def _rank_main(config: str, depth: int, steps: int, out: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a job runs on, by ``--device``; its model is ``width`` at each depth."""
+
+    ranks: int
+    backend: str
+    width: Config
+    dtype: str
+    tokens: tuple[int, int]
+    depths: list[int]
+    configs: list[str]
+
+
+SETUPS = {
+    "cpu": Setup(
+        2, "gloo", Config(1024, 256, 8, 4, 512), "float32", (4, 64), [2, 4, 8, 16], CONFIGS
+    ),
+    "cuda": Setup(1, "nccl", LLAMA_1B, "bfloat16", (4, 512), [LLAMA_1B.layers], GPU_CONFIGS),
+}
+
+
+def _rank_main(device: str, config: str, depth: int, steps: int, out: str) -> None:
     """One rank of one job (torchrun's environment): build, time the first step and ``steps``
     more; rank 0 writes the result to ``out``."""
     import torch
@@ -79,16 +106,22 @@ def _rank_main(config: str, depth: int, steps: int, out: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import passes
-    from benchmarks.common.llama import Config, LlamaForCausalLM
+    from benchmarks.common.llama import LlamaForCausalLM
+    from benchmarks.common.models import synchronize
     from benchmarks.common.simple_fsdp import INDUCTOR_FSDP_BUCKETING, simple_fsdp
     from compiled_hooks.fsdp import data_parallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    setup = SETUPS[device]
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(setup.backend)
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    config_ = Config(vocab=1024, dim=256, heads=8, kv_heads=4, hidden=512, layers=depth)
-    net = LlamaForCausalLM(config_)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    config_ = dataclasses.replace(setup.width, layers=depth)
+    with torch.device(device):
+        net = LlamaForCausalLM(config_).to(getattr(torch, setup.dtype))
     layers = list(net.model.layers)
     options: dict = {}
     installed = "passes" in config
@@ -119,10 +152,13 @@ def _rank_main(config: str, depth: int, steps: int, out: str) -> None:
             run = torch.compile(model, fullgraph=True)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)
-    tokens = [torch.randint(0, config_.vocab, (4, 64), generator=g) for _ in range(4)]
+    tokens = [
+        torch.randint(0, config_.vocab, setup.tokens, generator=g).to(device) for _ in range(4)
+    ]
 
     def step(i: int) -> float:
         dist.barrier()
+        synchronize(torch.device(device))
         t0 = time.perf_counter()
         with torch._inductor.config.patch(options):
             if installed:
@@ -132,6 +168,7 @@ def _rank_main(config: str, depth: int, steps: int, out: str) -> None:
                 run(tokens[i % 4]).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        synchronize(torch.device(device))
         dist.barrier()
         return time.perf_counter() - t0
 
@@ -177,9 +214,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(config: str, depth: int, steps: int, cache: str, timeout: float) -> dict:
-    """Two fresh rank processes on ``cache``, in torchrun's environment for one host: rank 0's
-    result."""
+def run_job(
+    config: str, depth: int, steps: int, cache: str, timeout: float, device: str = "cpu"
+) -> dict:
+    """Fresh rank processes (``SETUPS[device].ranks``) on ``cache``, in torchrun's environment
+    for one host: rank 0's result."""
+    ranks = SETUPS[device].ranks
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     port = _free_port()
@@ -188,14 +228,14 @@ def run_job(config: str, depth: int, steps: int, cache: str, timeout: float) -> 
         "TORCHINDUCTOR_CACHE_DIR": cache,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",  # as torchrun says of two ranks on one host
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),  # as torchrun says of ranks on one host
         "OMP_NUM_THREADS": "1",
     }
-    cmd = module_command("first_step", "--rank-of", config, str(depth), str(steps), out)
+    cmd = module_command("first_step", "--rank-of", device, config, str(depth), str(steps), out)
     procs = [
         subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(2)
+        for r in range(ranks)
     ]
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
@@ -216,7 +256,9 @@ class JobFailed(RuntimeError):
 JOBS = ("cold", "warm")
 
 
-def run_pair(config: str, depth: int, steps: int, timeout: float, retries: int) -> dict:
+def run_pair(
+    config: str, depth: int, steps: int, timeout: float, retries: int, device: str = "cpu"
+) -> dict:
     """``{"cold": ..., "warm": ...}``: a cold job on a new cache, then a warm one on it; the pair
     runs again on a new cache, ``retries`` times at most, where a job fails."""
     failure = None
@@ -225,8 +267,9 @@ def run_pair(config: str, depth: int, steps: int, timeout: float, retries: int) 
             print(f"  {failure}: run again", flush=True)
         with tempfile.TemporaryDirectory(prefix="first_step_cache_") as cache:
             try:
-                cold = run_job(config, depth, 0, cache, timeout)
-                return {"cold": cold, "warm": run_job(config, depth, steps, cache, timeout)}
+                cold = run_job(config, depth, 0, cache, timeout, device)
+                warm = run_job(config, depth, steps, cache, timeout, device)
+                return {"cold": cold, "warm": warm}
             except JobFailed as e:
                 failure = e
     raise SystemExit(f"first_step: {failure}")
@@ -310,8 +353,11 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, metavar="CONFIG", default=CONFIGS)
+    parser.add_argument(
+        "--device", choices=sorted(SETUPS), default="cpu", help="cuda: a lent GPU's 1B Llama"
+    )
+    parser.add_argument("--depths", type=int, nargs="+", help="default: 2 4 8 16 (cuda: 18)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, metavar="CONFIG")
     parser.add_argument("--steps", type=int, default=6, help="steady steps after the first")
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds of every job; the table gives medians"
@@ -326,11 +372,11 @@ def main() -> None:
         "--smoke", action="store_true", help="depth 1, FSDP2 eager and data_parallel whole"
     )
     parser.add_argument("--from-json", help="report (and --plot) the rows of an earlier --json")
-    parser.add_argument("--rank-of", nargs=4, help=argparse.SUPPRESS)  # a job's rank process
+    parser.add_argument("--rank-of", nargs=5, help=argparse.SUPPRESS)  # a job's rank process
     args = parser.parse_args()
     if args.rank_of:
-        config, depth, steps, out = args.rank_of
-        _rank_main(config, int(depth), int(steps), out)
+        device, config, depth, steps, out = args.rank_of
+        _rank_main(device, config, int(depth), int(steps), out)
         return
     if args.from_json:
         rows = json.loads(pathlib.Path(args.from_json).read_text())
@@ -338,17 +384,20 @@ def main() -> None:
         if args.plot:
             plot(rows, args.plot)
         return
+    setup = SETUPS[args.device]
+    args.depths = args.depths or setup.depths
+    args.configs = args.configs or setup.configs
     if args.smoke:
         args.depths, args.configs, args.steps = [1], SMOKE, 1
     print(
-        f"first_step: depths {args.depths}, {args.repeats} round(s), 2 gloo ranks over "
-        f"loopback, {os.cpu_count()} CPUs"
+        f"first_step: depths {args.depths}, {args.repeats} round(s), {setup.ranks} "
+        f"{setup.backend} rank(s) on {args.device}, {os.cpu_count()} CPUs"
     )
     runs: dict[tuple[str, int], list[dict]] = {}
     for round_ in range(args.repeats):  # rounds outermost: a drift of the machine hits all alike
         for depth in args.depths:
             for config in args.configs:
-                pair = run_pair(config, depth, args.steps, args.timeout, args.retries)
+                pair = run_pair(config, depth, args.steps, args.timeout, args.retries, args.device)
                 runs.setdefault((config, depth), []).append(pair)
                 cold, warm = pair["cold"], pair["warm"]
                 print(

@@ -51,14 +51,14 @@ import torch.nn.functional as F
 import compiled_hooks as ch
 import passes
 from benchmarks.common.launch import ROOT, link_problem, module_command
-from benchmarks.common.llama import Config, LlamaForCausalLM
+from benchmarks.common.llama import LLAMA_1B, Config, LlamaForCausalLM
 from benchmarks.common.models import loss_of, make_model, synchronize
 from compiled_hooks.fsdp import data_parallel
 
 FULL = {
     "codec": [8_392_704, 100_000_000],
     "ddp": "mlp-8x1024",
-    "llama": Config(vocab=32000, dim=2048, heads=16, kv_heads=8, hidden=5632, layers=18),
+    "llama": LLAMA_1B,
     "tokens": (4, 512),
 }
 SMALL = {

@@ -25,7 +25,7 @@ def test_a_row_over_rounds_takes_each_timings_median():
 def test_a_failed_pair_runs_again_on_a_new_cache(monkeypatch):
     calls = []
 
-    def run_job(config, depth, steps, cache, timeout):
+    def run_job(config, depth, steps, cache, timeout, device):
         calls.append((steps, cache))
         if len(calls) == 2:
             raise JobFailed("c at depth 1 failed (exit codes [0, -6])")

@@ -31,6 +31,10 @@ class Config:
     layers: int = 2
 
 
+# about 1B parameters: the model a lent GPU runs (``gpu_step.py``, ``first_step.py --device cuda``)
+LLAMA_1B = Config(vocab=32000, dim=2048, heads=16, kv_heads=8, hidden=5632, layers=18)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
