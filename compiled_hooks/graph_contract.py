@@ -36,8 +36,8 @@ What the hooks leave in Inductor's post-grad graph, and the passes rely on:
   that keep it (``passes.recompute_gathers`` tags the gathers; ``passes.forward_region_inputs``).
 - **A block's bucket copies** (:mod:`.bucket_copies`): the passes write a block bucket's
   copy-in as :data:`BUCKET_PACK` and an all-gather bucket's copy-out as :data:`BUCKET_UNPACK`;
-  the all-to-all forms of gloo's collectives copy with them too, and a reduce-scatter's local
-  sum is :data:`RANK_SUM` (:mod:`.rank_sum`).
+  gloo's all-to-all forms copy with them too; a reduce-scatter's local sum is :data:`RANK_SUM`
+  (:mod:`.rank_sum`), which takes over a sender's division by :func:`exact_predivisor`.
 - **The rank guard**: :data:`CHECK_RANKS`, inserted by ``passes.insert_rank_guard``, runs
   :func:`compiled_hooks.rank_guard.check`.
 
@@ -54,7 +54,7 @@ from .int8.ops import DEQUANTIZE_PACKED
 from .marks import BLOCK, INT8, RESHARD, blocks_compile_once, compile_blocks_once
 from .powersgd.ops import POWERSGD_COUNT
 from .rank_guard import CHECK_RANKS
-from .rank_sum import RANK_SUM
+from .rank_sum import RANK_SUM, exact_predivisor
 from .zero.group_rank import GROUP_RANK
 
 __all__ = [
@@ -71,6 +71,7 @@ __all__ = [
     "RESHARD",
     "VERIFY_ENV",
     "env_flag",
+    "exact_predivisor",
     "compile_blocks_once",
     "blocks_compile_once",
 ]

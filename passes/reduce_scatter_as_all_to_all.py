@@ -21,6 +21,15 @@ whose backend is not in ``reduce_scatter_backends`` (default gloo only) and redu
 sum and avg are left alone and counted. Runs last, after the scheduling passes: the wait stays
 where they put it, and the sum goes right after it.
 
+A sender's division by a power of two (a hook's pre-division, which ``fold_collective_scaling``
+leaves where the wire dtype is fp16 or the division is alone on gloo) goes into the sum: the
+undivided input is sent and ``rank_sum`` divides each received block first, what the senders'
+division would have given, bit for bit (``rank_sum.exact_predivisor``), one pass over the bucket
+and one kernel fewer::
+
+    d = div(x, 2.0)                          a = all_to_all_single(x, [d] * N, [d] * N, G)
+    r = reduce_scatter_tensor(d, "sum", N, G)  ->  w' = rank_sum(wait_tensor(a), N, 1, 2)
+
 An input of more than ``all_to_all_chunk_bytes`` per destination goes out in several
 all_to_alls of at most that many (as ``all_gather_as_all_to_all`` sends its pieces): rows
 ``lo:hi`` of every rank's row block, copied out together by one ``bucket_unpack``
@@ -49,10 +58,12 @@ from .core.ops import (
     ALL_TO_ALL,
     BUCKET_PACK,
     BUCKET_UNPACK,
+    DIV_OPS,
     RANK_SUM,
     REDUCE_SCATTER,
     WAIT,
     aten,
+    exact_predivisor,
     val,
 )
 from .core.record import record
@@ -78,6 +89,19 @@ def _sent(graph: Graph, x: Node, size: int, group, pieces: list[tuple[int, int]]
         piece = new_node(graph, aten.view.default, (piece, [size * (hi - lo), *rest]))
         sent.append(new_node(graph, ALL_TO_ALL, (piece, [hi - lo] * size, [hi - lo] * size, group)))
     return sent
+
+
+def _predivision(x: Node) -> tuple[Node, int]:
+    """``(y, c)`` where ``x`` is ``div(y, c)``, read by the reduce-scatter alone, ``c`` a power of
+    two above one and ``y`` of ``x``'s dtype; else ``(x, 1)``."""
+    if not is_op(x, DIV_OPS) or x.kwargs or len(x.users) != 1:
+        return x, 1
+    y, c = x.args
+    y_value = val(y)
+    same_dtype = y_value is not None and y_value.dtype == val(x).dtype
+    if not same_dtype or not exact_predivisor(c) or c == 1:
+        return x, 1
+    return cast(Node, y), int(cast(float, c))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +148,8 @@ def reduce_scatter_as_all_to_all(
             record(PASS, "skipped: not a single-wait reduce_scatter", rs)
             continue
         (wait,) = rs.users
+        division = x
+        x, predivisor = _predivision(x)
         value = val(x)
         shape = list(value.shape)
         d = shape[0] // size
@@ -133,10 +159,10 @@ def reduce_scatter_as_all_to_all(
         with graph.inserting_before(rs):
             sent = _sent(graph, x, size, group, pieces)
         users = list(wait.users)
-        divisor = size if op == "avg" else 1
+        scales = (size if op == "avg" else 1,) + ((predivisor,) if predivisor != 1 else ())
         with graph.inserting_before(wait):
             sums = [
-                new_node(graph, RANK_SUM, (new_node(graph, WAIT, (a,)), size, divisor))
+                new_node(graph, RANK_SUM, (new_node(graph, WAIT, (a,)), size, *scales))
                 for a in sent
             ]
             total = sums[0]
@@ -147,6 +173,9 @@ def reduce_scatter_as_all_to_all(
             user.replace_input_with(wait, total)
         graph.erase_node(wait)
         graph.erase_node(rs)
+        if division is not x:
+            graph.erase_node(division)
+            record(PASS, f"division by {predivisor} folded into the sum", sent[0])
         record(PASS, "reduce_scatter -> all_to_all + sum", sent[0])
         if len(sent) > 1:
             record(PASS, f"reduce_scatter -> {len(sent)} all_to_alls", sent[0])

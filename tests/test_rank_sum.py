@@ -1,6 +1,6 @@
 """compiled_hooks.rank_sum: the local sum of a reduce-scatter sent as an all-to-all, its
-accumulation order and dtype, its checks, and that Inductor calls it rather than compiling a
-kernel for it."""
+accumulation order and dtype, the senders' division it takes over, its checks, and that Inductor
+calls it rather than compiling a kernel for it."""
 
 from unittest import mock
 
@@ -31,9 +31,24 @@ def test_narrow_dtypes_add_up_in_fp32():
     assert torch.equal(rank_sum(received, 3, 2), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_predivisor_gives_what_the_senders_division_gave_bit_for_bit(dtype):
+    """Each block divided in the wire dtype before the sum, as a sender's division before the
+    all-to-all would have: subnormal quotients and narrow dtypes included."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * 64, generator=g, dtype=torch.float64)
+    x[::2] *= 4 * torch.finfo(dtype).tiny  # quotients below the normal range lose bits
+    x = x.to(dtype)
+    for predivisor in (2, 4, 1024):
+        sent = x / predivisor  # what a division before the all-to-all sends
+        assert torch.equal(rank_sum(x, 3, 1, predivisor), rank_sum(sent, 3, 1))
+        assert torch.equal(rank_sum(x, 3, 3, predivisor), rank_sum(sent, 3, 3))
+
+
 def test_fake_kernel_agrees_with_the_real_one():
     torch.library.opcheck(RANK_SUM, (torch.randn(6, 4), 2, 2))
     torch.library.opcheck(RANK_SUM, (torch.randn(8, dtype=torch.bfloat16), 4, 1))
+    torch.library.opcheck(RANK_SUM, (torch.randn(6, 4), 2, 1, 2))
 
 
 @pytest.mark.parametrize(
@@ -43,6 +58,8 @@ def test_fake_kernel_agrees_with_the_real_one():
         (lambda: rank_sum(torch.tensor(1.0), 1, 1), r"\(\) is not 1 blocks"),
         (lambda: rank_sum(torch.ones(4), 0, 1), "must be positive"),
         (lambda: rank_sum(torch.ones(4), 2, 0), "must be positive"),
+        (lambda: rank_sum(torch.ones(4), 2, 1, 3), "predivisor 3 is not a power of two"),
+        (lambda: rank_sum(torch.ones(4), 2, 1, 0), "predivisor 0 is not a power of two"),
     ],
 )
 def test_bad_input_names_the_problem(call, message):

@@ -12,6 +12,7 @@ from compiled_hooks.graph_contract import (  # noqa: F401  (for the passes)
     BUCKET_PACK,
     BUCKET_UNPACK,
     RANK_SUM,
+    exact_predivisor,
 )
 
 aten, prims = torch.ops.aten, torch.ops.prims

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 
 from compiled_hooks.compat import all_gather_single, reduce_scatter_single
-from compiled_hooks.graph_contract import BLOCK, BUCKET_PACK
+from compiled_hooks.graph_contract import BLOCK, BUCKET_PACK, RANK_SUM
 from passes import (
     all_gather_as_all_to_all,
     bucket_block_all_gathers,
@@ -572,6 +572,42 @@ add: f32[2, 3] = aten.add(convert_element_type_1, 1)
 return add""",
         )
         self.assertTrue(check_rewrite("reduce_scatter_as_all_to_all", before, gm.graph))
+
+    def divided(self, divisor, read_elsewhere=False):
+        """An fp32 reduce-scatter (sum) of ``x / divisor``, a hook's pre-division."""
+        _ = trace(lambda: None, world_size=2)
+
+        def step(x):
+            d = x / divisor
+            out = reduce_scatter_single(d, "sum", 0, dist.group.WORLD) + 1
+            return (out, d.sum()) if read_elsewhere else out
+
+        return trace(step, torch.randn(4, 3), world_size=2)
+
+    def test_a_division_by_a_power_of_two_goes_into_the_sum(self):
+        gm = self.divided(4.0)
+        before = copy_graph(gm.graph)
+        self.assertRewrites(gm, reduce_scatter_as_all_to_all, reduce_scatter_backends={"fake"})
+        self.assertExpectedInline(
+            graph_str(gm),
+            """\
+x_1: f32[4, 3] = input
+all_to_all_single_default: f32[4, 3] = c10d.all_to_all_single(x_1, [2, 2], [2, 2], group(size=2))
+wait_tensor_default: f32[4, 3] = c10d.wait_tensor(all_to_all_single_default)
+rank_sum_default: f32[2, 3] = compiled_hooks.rank_sum(wait_tensor_default, 2, 1, 4)
+add: f32[2, 3] = aten.add(rank_sum_default, 1)
+return add""",
+        )
+        self.assertTrue(check_rewrite("reduce_scatter_as_all_to_all", before, gm.graph))
+
+    def test_other_divisions_stay_with_the_senders(self):
+        """By 3 or by 0.5 (inexact or not a division in the sum), or read by another node too."""
+        for gm in (self.divided(3.0), self.divided(0.5), self.divided(2.0, read_elsewhere=True)):
+            self.assertRewrites(gm, reduce_scatter_as_all_to_all, reduce_scatter_backends={"fake"})
+            ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            self.assertIn(torch.ops.aten.div.Tensor, ops)
+            (rank_sum,) = gm.graph.find_nodes(op="call_function", target=RANK_SUM)
+            self.assertEqual(rank_sum.args[1:], (2, 1))
 
     def test_other_backends_and_ops_are_left_alone(self):
         self.assertUntouched(self.graph(), reduce_scatter_as_all_to_all, "backend fake")
