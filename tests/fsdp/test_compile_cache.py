@@ -13,7 +13,6 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 import passes
-from benchmarks.common.llama import Config, LlamaForCausalLM
 from compiled_hooks.fsdp import data_parallel
 from tests.fsdp.test_data_parallel import Net
 from tests.ranks import run_ranks
@@ -23,18 +22,17 @@ TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def step_job(rank, world_size, cache_dirs, loads, save):
-    """One compiled step of a tiny Llama under ``data_parallel`` and the passes (the rank guard
-    on), on this rank's cache dir, after loading the artifacts file ``loads[rank]`` (None:
-    nothing); each rank saves the artifacts of its compile to ``save`` + its rank (None: none).
-    What the caches and the guard counted, and the loss."""
+    """One compiled step of ``Net`` under ``data_parallel`` and the passes (the rank guard on),
+    on this rank's cache dir, after loading the artifacts file ``loads[rank]`` (None: nothing);
+    each rank saves the artifacts of its compile to ``save`` + its rank (None: none). What the
+    caches and the guard counted, and the loss."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
     counters.clear()
     if loads[rank] is not None:
         with open(loads[rank], "rb") as f:
             assert torch.compiler.load_cache_artifacts(f.read()) is not None
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = data_parallel(LlamaForCausalLM(Config(layers=1)), mesh)
-    tokens = torch.randint(0, Config().vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = data_parallel(Net(), init_device_mesh("cpu", (world_size,)))
+    tokens = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(rank))
     with passes.install(check_ranks=True):
         loss = torch.compile(model, fullgraph=True)(tokens).square().mean()
         loss.backward()
@@ -65,21 +63,23 @@ def compiled_nothing(out):
 
 
 def test_restarts_and_shipped_artifacts_compile_nothing(tmp_path):
-    first, fresh, fresh2, cold = (str(tmp_path / d) for d in ("first", "fresh", "fresh2", "cold"))
+    """A cold job (both ranks on one cache dir) saves its artifacts. Then, in one job: rank 0
+    restarts on that dir, which serves every graph; rank 1 loads its shipped artifacts into an
+    empty dir, which serves every graph too. And where ranks start from different cache states
+    (rank 0 on a restarted dir, rank 1 on an empty one), the rank guard checks and passes."""
+    first, fresh, cold = (str(tmp_path / d) for d in ("first", "fresh", "cold"))
     shipped = str(tmp_path / "artifacts.bin.")  # rank r's file: this and r
     cold_job = run_ranks(step_job, 2, [first, first], [None, None], shipped, timeout=400)
     for out in cold_job:
         assert out["aot"].get("autograd_cache_miss", 0) >= 1, out  # it compiled
         assert not out["aot"].get("autograd_cache_bypass"), out  # and could be cached
-    # rank 0 restarts on its cache dir; rank 1 starts on an empty one, its artifacts shipped to it
     restarted, shipped_to = run_ranks(
         step_job, 2, [first, fresh], [None, f"{shipped}1"], None, timeout=400
     )
-    for out in (restarted, shipped_to):
-        assert compiled_nothing(out), out
-        assert out["loss"] == cold_job[0]["loss"]
-    # ranks in different cache states: rank 0 loads the artifacts, rank 1 compiles
-    warm0, cold1 = run_ranks(step_job, 2, [fresh2, cold], [f"{shipped}0", None], None, timeout=400)
+    for before, after in zip(cold_job, (restarted, shipped_to)):
+        assert compiled_nothing(after), after
+        assert after["loss"] == before["loss"], (before, after)
+    warm0, cold1 = run_ranks(step_job, 2, [first, cold], [None, None], None, timeout=400)
     assert compiled_nothing(warm0) and not compiled_nothing(cold1), (warm0, cold1)
     assert warm0["checked"] == cold1["checked"] >= 1, (warm0, cold1)  # checked, and it passed
 
