@@ -91,7 +91,13 @@ class Setup:
 
 SETUPS = {
     "cpu": Setup(
-        2, "gloo", Config(1024, 256, 8, 4, 512), "float32", (4, 64), [2, 4, 8, 16], CONFIGS
+        ranks=2,
+        backend="gloo",
+        width=Config(vocab=1024, dim=256, heads=8, kv_heads=4, hidden=512),
+        dtype="float32",
+        tokens=(4, 64),
+        depths=[2, 4, 8, 16],
+        configs=CONFIGS,
     ),
     "cuda": Setup(1, "nccl", LLAMA_1B, "bfloat16", (4, 512), [LLAMA_1B.layers], GPU_CONFIGS),
 }

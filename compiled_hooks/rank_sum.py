@@ -10,9 +10,9 @@ narrower, divided by ``divisor``, in ``received``'s dtype::
     received = [a0 a1 | b0 b1], ranks = 2, divisor = 1, predivisor = 2
                                                          ->   [a0 / 2 + b0 / 2, a1 / 2 + b1 / 2]
 
-``predivisor`` is a power of two: a sender's division by it, which the op does for the sender,
-is then exact whether it divides or multiplies by the reciprocal (as Inductor does on GPUs), so
-the shard equals the one the sender's own division would give, bit for bit.
+``predivisor`` is a power of two, which the op divides by for the senders: dividing by a power of
+two and multiplying by its reciprocal (as Inductor does on GPUs) round alike, so the shard equals
+the one the senders' own division would give, bit for bit.
 
 ``passes.reduce_scatter_as_all_to_all`` writes it. As an opaque call it costs Inductor no
 kernel to compile, where the same sum as its own kernel costs a C++ (or Triton) compile for each
