@@ -86,6 +86,7 @@ __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
     "fake_mode",
+    "traced",
     "all_gather_into",
     "resolve_process_group",
     "group_size_by_name",
@@ -216,13 +217,11 @@ def all_gather_single(t: torch.Tensor, gather_dim: int, group: Any) -> torch.Ten
     Eager, a device tensor on gloo goes through c10d's ``all_gather_into_tensor`` instead, and
     the result is complete on return: gloo runs the functional form as ``allgather_coalesced``,
     which has no device form and reads the device pointer as host memory (the process faults).
-    Traced (Dynamo, or AOTAutograd's fake tensors, where torch 2.11 says it is not compiling),
-    the functional form is the one: Inductor cannot lower c10d's.
+    :func:`traced`, the functional form is the one: Inductor cannot lower c10d's.
     """
     gather = _collective(_ALL_GATHER, "all_gather_single")
     t = t.contiguous()
-    traced = torch.compiler.is_compiling() or fake_mode(t) is not None
-    if not traced and _gathers_off_host_on_gloo(t, group):
+    if not traced(t) and _gathers_off_host_on_gloo(t, group):
         size = dist.get_world_size(group)
         out = t.new_empty((size * t.shape[0], *t.shape[1:]))
         all_gather_into(out, t, group)
@@ -266,6 +265,12 @@ def fake_mode(tensors: Any) -> Any:
     """The fake mode of ``tensors`` (fake tensors, or any while a fake mode is active, as
     AOTAutograd traces); None for real tensors outside one."""
     return _guards.detect_fake_mode(tensors)
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is being traced: Dynamo is compiling, or ``t`` is fake (AOTAutograd's trace
+    of a custom op's kernel, where torch 2.11 says it is not compiling)."""
+    return torch.compiler.is_compiling() or fake_mode(t) is not None
 
 
 def fake_tensor_cache_off(mode: Any) -> contextlib.AbstractContextManager[None]:

@@ -94,7 +94,7 @@ class _GatherReduce(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.layout, ctx.reduction, ctx.dtype = layout, reduction, shard.dtype
         # traced, the forward fixes whether the backward accumulates (see .accumulation)
-        ctx.traced = torch.compiler.is_compiling() or compat.fake_mode(shard) is not None
+        ctx.traced = compat.traced(shard)
         ctx.accumulates, ctx.pending = leaf is not None, pending is not None
         if pending is not None:
             ctx.save_for_backward(pending)
@@ -110,12 +110,11 @@ class _GatherReduce(torch.autograd.Function):
         if reduction.shard_group is None:
             return x.view_as(x) if x is shard else x
         full = compat.all_gather_single(pad_rows(x, layout.rows), 0, reduction.shard_group)
-        if not (torch.compiler.is_compiling() or compat.fake_mode(full) is not None):
+        if not compat.traced(full):
             # Eager: wait now (a slice of an AsyncCollectiveTensor does not), so that one
             # all-gather at a time is in flight: several corrupt the heap on gloo (see
             # passes.all_gather_as_all_to_all). Traced (by Dynamo, or by AOTAutograd through
-            # GATHER_OP, where torch 2.11 says it is not compiling), the graph's own wait is
-            # the one.
+            # GATHER_OP), the graph's own wait is the one.
             full = fcol.wait_tensor(full)
         return full[: layout.shape[0]]
 
