@@ -54,7 +54,8 @@ def rank_sum(received: torch.Tensor, ranks: int, divisor: int, predivisor: int =
     # each block over predivisor in the wire dtype, as the sender would have divided it
     blocks = (b if predivisor == 1 else b / predivisor for b in received.reshape(ranks, *shape))
     narrow = received.dtype.is_floating_point and received.dtype.itemsize < 4
-    total = next(blocks).to(torch.float32 if narrow else received.dtype, copy=True)
+    # a copy of the first block, never a view of received (a divided block is a copy already)
+    total = next(blocks).to(torch.float32 if narrow else received.dtype, copy=predivisor == 1)
     for block in blocks:
         total += block
     if divisor != 1:
