@@ -99,7 +99,15 @@ SETUPS = {
         depths=[2, 4, 8, 16],
         configs=CONFIGS,
     ),
-    "cuda": Setup(1, "nccl", LLAMA_1B, "bfloat16", (4, 512), [LLAMA_1B.layers], GPU_CONFIGS),
+    "cuda": Setup(
+        ranks=1,
+        backend="nccl",
+        width=LLAMA_1B,
+        dtype="bfloat16",
+        tokens=(4, 512),
+        depths=[LLAMA_1B.layers],
+        configs=GPU_CONFIGS,
+    ),
 }
 
 
@@ -162,9 +170,11 @@ def _rank_main(device: str, config: str, depth: int, steps: int, out: str) -> No
         torch.randint(0, config_.vocab, setup.tokens, generator=g).to(device) for _ in range(4)
     ]
 
+    target = torch.device(device)
+
     def step(i: int) -> float:
         dist.barrier()
-        synchronize(torch.device(device))
+        synchronize(target)
         t0 = time.perf_counter()
         with torch._inductor.config.patch(options):
             if installed:
@@ -174,7 +184,7 @@ def _rank_main(device: str, config: str, depth: int, steps: int, out: str) -> No
                 run(tokens[i % 4]).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        synchronize(torch.device(device))
+        synchronize(target)
         dist.barrier()
         return time.perf_counter() - t0
 
