@@ -59,6 +59,7 @@ import subprocess
 import tempfile
 import time
 
+from benchmarks.common.compile_time import time_fake_tensor_updates
 from benchmarks.common.launch import ROOT, module_command
 from benchmarks.common.llama import LLAMA_1B, Config
 
@@ -111,30 +112,6 @@ SETUPS = {
         configs=GPU_CONFIGS,
     ),
 }
-
-
-def _time_fake_tensor_updates() -> list[float]:
-    """From now on, the seconds this process spends in Inductor's post-grad fake-tensor update
-    (``FakeTensorUpdater.incremental_update``, the outermost calls: it recurses into subgraphs),
-    as ``[total]``. The update propagates again every node a post-grad pass made or changed, so
-    what the passes' rewrites cost includes it."""
-    from torch._inductor.fx_utils import FakeTensorUpdater
-
-    total, depth = [0.0], [0]
-    update = FakeTensorUpdater.incremental_update
-
-    def timed(self: FakeTensorUpdater) -> int:
-        depth[0] += 1
-        t0 = time.perf_counter()
-        try:
-            return update(self)
-        finally:
-            depth[0] -= 1
-            if not depth[0]:
-                total[0] += time.perf_counter() - t0
-
-    FakeTensorUpdater.incremental_update = timed  # type: ignore[method-assign]
-    return total
 
 
 def _rank_main(device: str, config: str, depth: int, steps: int, out: str) -> None:
@@ -214,7 +191,7 @@ def _rank_main(device: str, config: str, depth: int, steps: int, out: str) -> No
         dist.barrier()
         return time.perf_counter() - t0
 
-    updating = _time_fake_tensor_updates()
+    updating = time_fake_tensor_updates()
     first = step(0)
     steady = [step(i) for i in range(1, steps + 1)]
     if rank == 0:
