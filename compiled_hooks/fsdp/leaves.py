@@ -121,8 +121,7 @@ class Leaves:
             param = params[attr]
             local = _local(param) if isinstance(param, DTensor) else None
             if (
-                param is None
-                or local is None
+                local is None
                 or local.data_ptr() != leaf.data_ptr()
                 or local.shape != leaf.shape
                 or local.dtype != leaf.dtype
