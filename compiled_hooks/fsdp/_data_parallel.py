@@ -135,7 +135,7 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
                 layout = module._data_parallel_region_layouts[name]
             if dp.traced_root and layout.tensor_parallel is None and traceable(dp.reduction):
                 traced = dp.gathers
-            accumulate = _accumulate(module, name)
+            (accumulate,) = _accumulates(dp, ((module, name),))
         if shard is None:
             shard = module._parameters[name].to_local()
         full = gather(shard, layout, dp.reduction, dp.reshard, None, traced, accumulate)
