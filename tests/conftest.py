@@ -1,6 +1,15 @@
-import pytest
-import torch
-import torch.distributed as dist
+import os
+
+# Inductor's CPU ISA probe compiles and loads one test library per vector ISA, in a child
+# process, in every process that compiles (each pytest worker, each rank a test starts, which
+# inherits this environment). The tests trust the CPU's flags instead, through torch's own
+# switch; a run outside pytest keeps the probe. Set before torch is imported: Inductor's config
+# reads it once.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from passes.testing import fake_process_group
 

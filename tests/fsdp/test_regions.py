@@ -135,12 +135,14 @@ def test_a_traced_root_gathers_a_block_in_one_dynamo_node():
     assert sorted(len(n.args[2]) for n in calls)[-config.layers :] == [in_blocks // 2] * 2
     assert sum(len(n.args[2]) for n in calls) == params
     assert not _calls(gm, torch.ops.higher_order.autograd_function_apply)
-    stateful = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
+    one = Config(layers=1)  # Dynamo traces the function's forward and backward per parameter
+    stateful = data_parallel(LlamaForCausalLM(one), init_device_mesh("cpu", (4,)))
     state = ch.QuantizedState(data_parallel_state(model).shard_group)
     register_comm_hook(stateful, state, ch.int8_compress_hook)
     gm = _dynamo_graph(stateful, tokens)
     assert not _calls(gm, GATHER_OP)
-    assert len(_calls(gm, torch.ops.higher_order.autograd_function_apply)) == params
+    calls = _calls(gm, torch.ops.higher_order.autograd_function_apply)
+    assert len(calls) == len(list(stateful.parameters())) > PER_BLOCK
 
 
 def test_blocks_that_differ_get_subgraphs_of_their_own():

@@ -135,6 +135,7 @@ def _code_positions(code: str, pattern: str) -> list[int]:
     ]
 
 
+@pytest.mark.slow  # an Inductor compile; the snapshots above pin the FX order in the fast tier
 def test_compiled_ddp_backward_overlaps_every_bucket_but_the_last():
     """Inductor's generated backward, with the passes installed: every bucket but the last is
     issued before the last gradient matmul, and every wait comes after it (in a DDP backward no
