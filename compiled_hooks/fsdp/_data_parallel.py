@@ -47,7 +47,7 @@ from ..marks import blocks_compile_once
 from . import accumulation, regions
 from .arguments import MODES, PIPELINE_DIM, check_arguments
 from .blocks import blocks_of, cast_inputs
-from .gather import Gathers, Layout, gather, gather_traced, traceable
+from .gather import Gathers, Layout, gather, gather_traced
 from .root import (
     DataParallelModule,
     DataParallelStage,
@@ -83,13 +83,17 @@ class _Block:
     """What a block's traced forward reads of the block, fixed by :func:`data_parallel` (so
     Dynamo walks no module tree per block): its :func:`.regions.block_key`, every parameter as
     (module, attribute) with its layout, whether any is tensor-parallel (then the block is no
-    region), and whether another module holds one too (then each is gathered on its own)."""
+    region), and whether another module holds one too (then each is gathered on its own); and,
+    so that a traced forward loops over none of them, each read's index by ``(id(module),
+    attribute)`` (as ``region_reads`` finds it) and each layout's name."""
 
     key: int
     reads: tuple[tuple[_Managed, str], ...]
     layouts: tuple[Layout, ...]
     tensor_parallel: bool
     shared: bool
+    read_index: dict[tuple[int, str], int]
+    names: list[str]
 
 
 def _block(block: nn.Module) -> _Block:
@@ -99,7 +103,10 @@ def _block(block: nn.Module) -> _Block:
     layouts = tuple(m._data_parallel_layouts[n] for m, n in reads)
     tensor_parallel = any(layout.tensor_parallel is not None for layout in layouts)
     shared = any(n in m._data_parallel_shared for m, n in reads)
-    return _Block(regions.block_key(block), reads, layouts, tensor_parallel, shared)
+    read_index = {(id(m), n): i for i, (m, n) in enumerate(reads)}
+    names = [layout.name for layout in layouts]
+    key = regions.block_key(block)
+    return _Block(key, reads, layouts, tensor_parallel, shared, read_index, names)
 
 
 def _managed(module: nn.Module) -> _Managed:
@@ -114,9 +121,10 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
     (:mod:`.leaves`), not from the DTensor."""
     dp = module._data_parallel_root
     if dp.region_reads:
-        read = dp.region_reads[-1].get((id(module), name))
-        if read is not None:
-            return read
+        index, params = dp.region_reads[-1]
+        i = index.get((id(module), name))
+        if i is not None:
+            return params[i]
     layout = module._data_parallel_layouts[name]
     if dp.gathered:
         # one gather, one reduction of the sum, for a parameter of several modules; tested first,
@@ -133,8 +141,9 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
                 # that names no parameter and one block whatever the block, so identical blocks
                 # trace alike and share its graph; a traced root's graph names every block.
                 layout = module._data_parallel_region_layouts[name]
-            if dp.traced_root and layout.tensor_parallel is None and traceable(dp.reduction):
-                traced = dp.gathers
+            gathers = dp.gathers
+            if dp.traced_root and layout.tensor_parallel is None and gathers and gathers.traceable:
+                traced = gathers
             (accumulate,) = _accumulates(dp, ((module, name),))
         if shard is None:
             shard = module._parameters[name].to_local()
@@ -215,35 +224,37 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     traced = blocks_compile_once() and torch.compiler.is_compiling() and dp.traced_root
     if not traced or plan.tensor_parallel:
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
-    if plan.reads and not plan.shared and dp.gathers is not None and traceable(dp.reduction):
+    gathers = dp.gathers
+    if plan.reads and not plan.shared and gathers is not None and gathers.traceable:
         shards = [m._data_parallel_leaves[n] for m, n in plan.reads]
         accumulate = _accumulates(dp, plan.reads)
+        block_name = plan.layouts[0].block
         params = tuple(
-            gather_traced(shards, list(plan.layouts), dp.gathers, dp.reshard, accumulate)
+            gather_traced(shards, plan.names, block_name, gathers, dp.reshard, accumulate)
         )
     else:
         params = tuple(_read_parameter(m, n) for m, n in plan.reads)
     seen = dp.region_sizes[-1].setdefault(plan.key, [])
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        tensors = (*params, *args)
-        variant = regions.variant(seen, [tuple(t.shape) for t in tensors])
-        return _FLAT_REGION(self, plan.key, variant, *tensors)
-    leaves = tree_leaves((params, args, kwargs))
-    sizes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
-    return _REGION(self, plan.key, regions.variant(seen, sizes), params, args, kwargs)
+    # pushed here, outside the region: a region that mutates what outlives it (a side effect)
+    # has Dynamo return every intermediate of its subgraph, at each call
+    dp.region_reads.append((plan.read_index, params))
+    try:
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            tensors = (*params, *args)
+            variant = regions.variant(seen, [(t.dtype, t.requires_grad, *t.shape) for t in tensors])
+            return _FLAT_REGION(self, plan.key, variant, *tensors)
+        leaves = tree_leaves((params, args, kwargs))
+        sizes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
+        return _REGION(self, plan.key, regions.variant(seen, sizes), params, args, kwargs)
+    finally:
+        dp.region_reads.pop()
 
 
 def _region_body(
     self: nn.Module, key: int, variant: int, params: tuple, args: tuple, kwargs: dict
 ) -> Any:
     """The region: the block's own forward, its parameter reads answered by ``params``."""
-    block = _managed(self)
-    dp, reads = block._data_parallel_root, block._data_parallel_block.reads
-    dp.region_reads.append({(id(m), n): p for (m, n), p in zip(reads, params)})
-    try:
-        return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
-    finally:
-        dp.region_reads.pop()
+    return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
 
 
 def _flat_region_body(self: nn.Module, key: int, variant: int, *tensors: torch.Tensor) -> Any:

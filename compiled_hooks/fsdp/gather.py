@@ -211,7 +211,7 @@ class Gathers:
     ``key`` (the op's ``code`` argument) names this package's code and the groups the op's
     collectives run in, so the compile caches, which key a graph by its calls and its inputs'
     shapes, never give a rank a graph traced in other groups (:meth:`rekey` after the hooks
-    change)."""
+    change, which also sets ``traceable``: whether the op may gather with them)."""
 
     def __init__(self, reduction: Reduction, layouts: list[Layout]):
         self.reduction = reduction
@@ -222,6 +222,7 @@ class Gathers:
 
     def rekey(self) -> None:
         r = self.reduction
+        self.traceable = traceable(r)
         states = [
             s.process_group for s in (r.state, r.replica_state) if isinstance(s, DefaultState)
         ]
@@ -289,18 +290,18 @@ def _with_policy(fn: Callable[..., Any], args: tuple, block: str, reshard: bool)
 
 def gather_traced(
     shards: list[torch.Tensor],
-    layouts: list[Layout],
+    names: list[str],
+    block: str,
     traced: Gathers,
     reshard: bool,
     accumulate: list[Accumulate],
 ) -> list[torch.Tensor]:
-    """The full parameters of ``shards``, of one block, gathered in one :data:`GATHER_OP` call
-    under one recompute policy (a whole-model trace with :func:`traceable` hooks: see
-    :func:`gather`)."""
-    names = [layout.name for layout in layouts]
+    """The full parameters of ``shards`` (the layouts ``names``), of ``block``, gathered in one
+    :data:`GATHER_OP` call under one recompute policy (a whole-model trace with
+    :func:`traceable` hooks: see :func:`gather`)."""
     leaves, pending, markers = (list(column) for column in zip(*accumulate))
     args = (shards, leaves, pending, markers, traced.index, names, traced.key)
-    return _with_policy(GATHER_OP, args, layouts[0].block, reshard)
+    return _with_policy(GATHER_OP, args, block, reshard)
 
 
 def gather(
@@ -327,7 +328,7 @@ def gather(
         return _GatherReduce.apply(shard, layout, reduction, gathered)
     compiling = reduction.shard_group is not None and torch.compiler.is_compiling()
     if compiling and traced is not None:
-        return gather_traced([shard], [layout], traced, reshard, [accumulate])[0]
+        return gather_traced([shard], [layout.name], layout.block, traced, reshard, [accumulate])[0]
     args = (shard, layout, reduction, None, *accumulate)
     if compiling:
         return _with_policy(_GatherReduce.apply, args, layout.block, reshard)

@@ -69,9 +69,9 @@ def block_key(block: nn.Module) -> int:
 
 
 def variant(seen: list[Any], sizes: list[tuple[Any, ...]]) -> int:
-    """The index of ``sizes`` (one call's input sizes) in ``seen``, appended if new. Sizes
-    compare without a guard where they are the same symbol or the same int, so a dynamic size
-    does not specialize."""
+    """The index of ``sizes`` (one call's input sizes, or more of each input) in ``seen``,
+    appended if new. Sizes compare without a guard where they are the same symbol or
+    the same int, so a dynamic size does not specialize."""
     found = next((i for i, s in enumerate(seen) if s == sizes), len(seen))
     if found == len(seen):
         seen.append(sizes)
@@ -92,8 +92,10 @@ def region_key(
 
 
 def flat_region_key(block: nn.Module, key: int, variant: int, *tensors: torch.Tensor) -> int:
-    """:func:`region_key` of a call on tensors only, passed flat."""
-    return hash((key, variant, tuple((t.dtype, t.dim(), t.requires_grad) for t in tensors)))
+    """:func:`region_key` of a call on tensors only, passed flat, whose ``variant`` indexes its
+    inputs' ``(dtype, requires_grad, *size)``: the block's key, the variant and the count of
+    inputs."""
+    return hash((key, variant, len(tensors)))
 
 
 def compile_region(

@@ -87,8 +87,9 @@ class DataParallelState:
         self.gathered: list[dict[str, torch.Tensor]] = []
         self.started = False  # a forward ran: the (compiled) reduction is fixed
         self.traced_root = False  # the running root forward is being traced (whole-model compile)
-        # per running block region (see .regions): (id(module), name) -> its gathered parameter
-        self.region_reads: list[dict[tuple[int, str], torch.Tensor]] = []
+        # per running block region (see .regions): the index of each (id(module), name) of the
+        # block in its gathered parameters, and those parameters
+        self.region_reads: list[tuple[dict[tuple[int, str], int], tuple[torch.Tensor, ...]]] = []
         # per running root forward, like gathered: block key -> the input sizes of its variants
         self.region_sizes: list[dict[int, list[Any]]] = []
         # reshard_after_forward=False, eager: the gathered parameters a recompute reuses
