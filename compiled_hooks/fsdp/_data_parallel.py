@@ -142,7 +142,8 @@ def _read_parameter(module: _Managed, name: str) -> torch.Tensor:
                 # trace alike and share its graph; a traced root's graph names every block.
                 layout = module._data_parallel_region_layouts[name]
             gathers = dp.gathers
-            if dp.traced_root and layout.tensor_parallel is None and gathers and gathers.traceable:
+            traceable = gathers is not None and gathers.traceable
+            if dp.traced_root and layout.tensor_parallel is None and traceable:
                 traced = gathers
             (accumulate,) = _accumulates(dp, ((module, name),))
         if shard is None:
@@ -253,7 +254,8 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _region_body(
     self: nn.Module, key: int, variant: int, params: tuple, args: tuple, kwargs: dict
 ) -> Any:
-    """The region: the block's own forward, its parameter reads answered by ``params``."""
+    """The region: the block's own forward, its parameter reads answered by ``params`` (which
+    the caller pushed on ``region_reads``: see :func:`_block_forward`)."""
     return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
 
 

@@ -145,6 +145,29 @@ def test_a_traced_root_gathers_a_block_in_one_dynamo_node():
     assert len(calls) == len(list(stateful.parameters())) > PER_BLOCK
 
 
+def test_a_block_region_has_no_side_effect(monkeypatch):
+    """Nothing a region's body does outlives it: Dynamo returns every intermediate of a region
+    with a side effect (so that what the effect kept can be read), at every call of the region,
+    and drops the unused ones only at the end of the trace."""
+    from torch._dynamo.variables import higher_order_ops
+
+    if not hasattr(higher_order_ops, "collect_intermediate_outputs"):
+        pytest.skip("this torch's Dynamo does not return a region's intermediates on side effects")
+    collected = []
+    collect = higher_order_ops.collect_intermediate_outputs
+
+    def spy(*args, **kwargs):
+        collected.append(1)
+        return collect(*args, **kwargs)
+
+    monkeypatch.setattr(higher_order_ops, "collect_intermediate_outputs", spy)
+    fake_process_group(4)
+    config = Config(layers=FEW)
+    model = data_parallel(LlamaForCausalLM(config), init_device_mesh("cpu", (4,)))
+    gm = _dynamo_graph(model, torch.randint(0, config.vocab, (2, 8)))
+    assert len(_calls(gm, HOP)) == FEW and not collected
+
+
 def test_blocks_that_differ_get_subgraphs_of_their_own():
     """Blocks of one class that differ in a plain attribute the forward reads, or in a
     parameter's shape, are not served another block's subgraph. (AOTAutograd inlines a region
