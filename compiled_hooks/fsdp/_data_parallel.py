@@ -46,7 +46,7 @@ from .. import compat
 from ..marks import blocks_compile_once
 from . import accumulation, regions
 from .arguments import MODES, PIPELINE_DIM, check_arguments
-from .blocks import blocks_of, cast_inputs
+from .blocks import BlockPlan, blocks_of, cast_inputs, plan_block
 from .gather import Gathers, Layout, gather, gather_traced
 from .root import (
     DataParallelModule,
@@ -73,40 +73,9 @@ class _Managed(Protocol):
     _data_parallel_region_layouts: dict[str, Layout]  # the same, named REGION (see _read_parameter)
     _data_parallel_shared: set[str]  # its attributes whose parameter other modules hold too
     _data_parallel_leaves: dict[str, torch.Tensor]  # what its compiled reads gather (.leaves)
-    _data_parallel_block: _Block  # a block's
+    _data_parallel_block: BlockPlan  # a block's
     # its parameter attributes' (accumulator, marker), once sync was off (see .accumulation)
     _data_parallel_accumulators: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    """What a block's traced forward reads of the block, fixed by :func:`data_parallel` (so
-    Dynamo walks no module tree per block): its :func:`.regions.block_key`, every parameter as
-    (module, attribute) with its layout, whether any is tensor-parallel (then the block is no
-    region), and whether another module holds one too (then each is gathered on its own); and,
-    so that a traced forward loops over none of them, each read's index by ``(id(module),
-    attribute)`` (as ``region_reads`` finds it) and each layout's name."""
-
-    key: int
-    reads: tuple[tuple[_Managed, str], ...]
-    layouts: tuple[Layout, ...]
-    tensor_parallel: bool
-    shared: bool
-    read_index: dict[tuple[int, str], int]
-    names: list[str]
-
-
-def _block(block: nn.Module) -> _Block:
-    reads = tuple(
-        (_managed(m), n) for m in block.modules() for n, p in m._parameters.items() if p is not None
-    )
-    layouts = tuple(m._data_parallel_layouts[n] for m, n in reads)
-    tensor_parallel = any(layout.tensor_parallel is not None for layout in layouts)
-    shared = any(n in m._data_parallel_shared for m, n in reads)
-    read_index = {(id(m), n): i for i, (m, n) in enumerate(reads)}
-    names = [layout.name for layout in layouts]
-    key = regions.block_key(block)
-    return _Block(key, reads, layouts, tensor_parallel, shared, read_index, names)
 
 
 def _managed(module: nn.Module) -> _Managed:
@@ -388,7 +357,11 @@ def data_parallel(
     for m in blocks_:
         if not hasattr(m, "_data_parallel_layouts"):  # a block without parameters of its own
             _swap_class(m, [], "block")
-        _managed(m)._data_parallel_block = _block(m)
+        subs = [_managed(sub) for sub in m.modules()]
+        reads = tuple((sub, n) for sub in subs for n, p in sub._parameters.items() if p is not None)
+        read_layouts = tuple(sub._data_parallel_layouts[n] for sub, n in reads)
+        held = any(n in sub._data_parallel_shared for sub, n in reads)
+        _managed(m)._data_parallel_block = plan_block(m, reads, read_layouts, held)
     for m in module.modules():
         attach(m, dp)
     root = _managed(module)

@@ -1,9 +1,11 @@
 """The blocks ``data_parallel`` gathers together (:func:`blocks_of`): the user's, or by default
 (:func:`default_blocks`) the layers of a model's outermost layer stacks; :func:`warn_no_blocks`
-tells a user whose model has none; :func:`cast_inputs` casts a block's inputs."""
+tells a user whose model has none; :func:`cast_inputs` casts a block's inputs;
+:func:`plan_block` fixes what a block's traced forward reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -12,7 +14,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["blocks_of", "default_blocks", "warn_no_blocks", "cast_inputs"]
+from .layout import Layout
+from .regions import block_key
+
+__all__ = [
+    "blocks_of",
+    "default_blocks",
+    "warn_no_blocks",
+    "cast_inputs",
+    "BlockPlan",
+    "plan_block",
+]
 
 
 def _is_stack(container: nn.Module, layers: dict[str, nn.Module]) -> bool:
@@ -113,3 +125,32 @@ def cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     return hook
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """What a block's traced forward reads of the block, fixed by ``data_parallel`` (so Dynamo
+    walks no module tree per block): its :func:`.regions.block_key`, every parameter as
+    (module, attribute) with its layout, whether any is tensor-parallel (then the block is no
+    region), and whether another module holds one too (then each is gathered on its own); and,
+    so that a traced forward loops over none of them, each read's index by ``(id(module),
+    attribute)`` (as the state's ``region_reads`` finds it) and each layout's name."""
+
+    key: int
+    reads: tuple[tuple[Any, str], ...]  # the modules as data_parallel made them
+    layouts: tuple[Layout, ...]
+    tensor_parallel: bool
+    shared: bool
+    read_index: dict[tuple[int, str], int]
+    names: list[str]
+
+
+def plan_block(
+    block: nn.Module, reads: tuple[tuple[Any, str], ...], layouts: tuple[Layout, ...], shared: bool
+) -> BlockPlan:
+    """The :class:`BlockPlan` of ``block``, whose parameters ``data_parallel`` sharded: each
+    read ``(module, attribute)`` with its layout, and whether another module holds one too."""
+    tensor_parallel = any(layout.tensor_parallel is not None for layout in layouts)
+    read_index = {(id(m), n): i for i, (m, n) in enumerate(reads)}
+    names = [layout.name for layout in layouts]
+    return BlockPlan(block_key(block), reads, layouts, tensor_parallel, shared, read_index, names)
