@@ -69,9 +69,10 @@ def block_key(block: nn.Module) -> int:
 
 
 def variant(seen: list[Any], sizes: list[tuple[Any, ...]]) -> int:
-    """The index of ``sizes`` (one call's input sizes, or more of each input) in ``seen``,
-    appended if new. Sizes compare without a guard where they are the same symbol or
-    the same int, so a dynamic size does not specialize."""
+    """The index of ``sizes`` (one call's input sizes; for a call on tensors only, each input's
+    ``(dtype, requires_grad, *size)``) in ``seen``, appended if new. Sizes compare without a
+    guard where they are the same symbol or the same int, so a dynamic size does not
+    specialize."""
     found = next((i for i, s in enumerate(seen) if s == sizes), len(seen))
     if found == len(seen):
         seen.append(sizes)
