@@ -198,9 +198,8 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if plan.reads and not plan.shared and gathers is not None and gathers.traceable:
         shards = [m._data_parallel_leaves[n] for m, n in plan.reads]
         accumulate = _accumulates(dp, plan.reads)
-        block_name = plan.layouts[0].block
         params = tuple(
-            gather_traced(shards, plan.names, block_name, gathers, dp.reshard, accumulate)
+            gather_traced(shards, plan.names, plan.block, gathers, dp.reshard, accumulate)
         )
     else:
         params = tuple(_read_parameter(m, n) for m, n in plan.reads)

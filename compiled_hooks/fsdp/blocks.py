@@ -131,14 +131,15 @@ def cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
 class BlockPlan:
     """What a block's traced forward reads of the block, fixed by ``data_parallel`` (so Dynamo
     walks no module tree per block): its :func:`.regions.block_key`, every parameter as
-    (module, attribute) with its layout, whether any is tensor-parallel (then the block is no
-    region), and whether another module holds one too (then each is gathered on its own); and,
-    so that a traced forward loops over none of them, each read's index by ``(id(module),
-    attribute)`` (as the state's ``region_reads`` finds it) and each layout's name."""
+    (module, attribute), whether any is tensor-parallel (then the block is no region), and
+    whether another module holds one too (then each is gathered on its own); and, so that a
+    traced forward loops over none of them, each read's index by ``(id(module), attribute)``
+    (as the state's ``region_reads`` finds it), each layout's name and the block's name that
+    the layouts carry."""
 
     key: int
     reads: tuple[tuple[Any, str], ...]  # the modules as data_parallel made them
-    layouts: tuple[Layout, ...]
+    block: str
     tensor_parallel: bool
     shared: bool
     read_index: dict[tuple[int, str], int]
@@ -153,4 +154,5 @@ def plan_block(
     tensor_parallel = any(layout.tensor_parallel is not None for layout in layouts)
     read_index = {(id(m), n): i for i, (m, n) in enumerate(reads)}
     names = [layout.name for layout in layouts]
-    return BlockPlan(block_key(block), reads, layouts, tensor_parallel, shared, read_index, names)
+    name = layouts[0].block if layouts else ""
+    return BlockPlan(block_key(block), reads, name, tensor_parallel, shared, read_index, names)
