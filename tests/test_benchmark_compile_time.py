@@ -1,29 +1,91 @@
-"""``benchmarks.common.compile_time``: the time of Inductor's fake-tensor update, which the
-passes' share counts, is each outermost call's."""
+"""``benchmarks.common.compile_time``: the time of Inductor's fake-tensor update is each
+outermost call's, and its passes' part is the propagation of what a pipeline made or changed
+and of what that changed downstream, not of what another pass changed."""
 
 import time
 
-from benchmarks.common.compile_time import time_fake_tensor_updates
+import pytest
+import torch
+from torch._inductor.fx_utils import FakeTensorUpdater
+from torch._inductor.virtualized import V
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from benchmarks.common import compile_time
+from passes.pipeline import Pipeline
+
+PAUSE = 0.05  # what each propagation of the slow op below takes
 
 
-def test_the_fake_tensor_update_is_timed_once_through_its_recursion(monkeypatch):
+@torch.library.custom_op("compile_time_test::slow", mutates_args=())
+def slow(x: torch.Tensor, k: float) -> torch.Tensor:
+    return x * k
+
+
+@slow.register_fake
+def _(x, k):
+    time.sleep(PAUSE)
+    return torch.empty_like(x)
+
+
+@pytest.fixture
+def times(monkeypatch):
+    """A fresh timer, its wrappers undone afterwards."""
+    import torch._inductor.fx_utils as fx_utils
+
+    monkeypatch.setattr(compile_time, "_installed", [])
+    update = FakeTensorUpdater.incremental_update
+    monkeypatch.setattr(FakeTensorUpdater, "incremental_update", update)
+    monkeypatch.setattr(Pipeline, "run", Pipeline.run)
+    monkeypatch.setattr(fx_utils, "enable_python_dispatcher", fx_utils.enable_python_dispatcher)
+    return compile_time.time_fake_tensor_updates()
+
+
+def test_the_fake_tensor_update_is_timed_once_through_its_recursion(monkeypatch, times):
     """Inductor's fake-tensor update recurses into each subgraph's updater: the time counts its
     outermost calls only, and every one of them."""
-    from torch._inductor.fx_utils import FakeTensorUpdater
 
     class Updater:  # an updater, with its subgraph's updater inside
         def __init__(self, inner=None):
             self.inner = inner
 
-    def update(self):
+    def fake_update(self):
         time.sleep(0.1)
         if self.inner is not None:
             FakeTensorUpdater.incremental_update(self.inner)
         return 0
 
-    monkeypatch.setattr(FakeTensorUpdater, "incremental_update", update)
-    total = time_fake_tensor_updates()
-    assert time_fake_tensor_updates() is total  # asked again (ddp_sync, per model): one timer
+    monkeypatch.setattr(compile_time, "_installed", [])
+    monkeypatch.setattr(FakeTensorUpdater, "incremental_update", fake_update)
+    total = compile_time.time_fake_tensor_updates()
+    assert compile_time.time_fake_tensor_updates() is total  # asked again: one timer
     for _ in range(2):
         FakeTensorUpdater.incremental_update(Updater(Updater(Updater())))
-    assert 0.6 <= total[0] < 1.0  # two updates of 3 x 0.1 s each; counted per call, 1.2 s
+    assert 0.6 <= total.total < 1.0  # two updates of 3 x 0.1 s each; counted per call, 1.2 s
+
+
+def test_the_passes_part_is_what_the_pipeline_changed_and_its_users(times):
+    """Three chains of two slow ops. Another pass (Inductor's own) changes the first chain's
+    head, the pipeline the second's: the update propagates both chains (4 x PAUSE); the passes'
+    part is the second chain's 2 x PAUSE. The third chain is not propagated at all."""
+    op = torch.ops.compile_time_test.slow.default
+
+    def f(x):
+        return op(op(x, 1.0), 2.0), op(op(x, 3.0), 4.0), op(op(x, 5.0), 6.0)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(8))
+    fake_mode = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].fake_mode
+    updater = FakeTensorUpdater(gm)
+    heads = [n for n in gm.graph.nodes if n.target is op and n.args[1] in (1.0, 3.0)]
+    heads[0].args = (heads[0].args[0], 1.5)  # Inductor's own change, before the pipeline
+
+    def rewrite(graph):
+        head = next(n for n in graph.nodes if n.target is op and n.args[1] == 3.0)
+        head.args = (head.args[0], 3.5)
+        return True
+
+    Pipeline([rewrite], verify=False, check_ranks=False).run(gm.graph)
+    with V.set_fake_mode(fake_mode):
+        updater.incremental_update()
+    assert 4 * PAUSE <= times.total < 6 * PAUSE
+    assert 2 * PAUSE <= times.passes < 3 * PAUSE
+    assert times.bookkeeping < PAUSE
