@@ -196,10 +196,9 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
     gathers = dp.gathers
     if plan.reads and not plan.shared and gathers is not None and gathers.traceable:
-        shards = [m._data_parallel_leaves[n] for m, n in plan.reads]
         accumulate = _accumulates(dp, plan.reads)
         params = tuple(
-            gather_traced(shards, plan.names, plan.block, gathers, dp.reshard, accumulate)
+            gather_traced(plan.shards, plan.names, plan.block, gathers, dp.reshard, accumulate)
         )
     else:
         params = tuple(_read_parameter(m, n) for m, n in plan.reads)
@@ -346,7 +345,7 @@ def data_parallel(
         managed._data_parallel_accumulators, managed._data_parallel_leaves = {}, {}
         for n in names:
             dp.accumulator_slots.append((managed._data_parallel_accumulators, m, n, layouts[n]))
-            dp.leaf_slots.append((managed._data_parallel_leaves, m._parameters, n, layouts[n]))
+            dp.leaf_slots.append((managed._data_parallel_leaves, n, m._parameters, n, layouts[n]))
         managed._data_parallel_region_layouts = {
             n: dataclasses.replace(layout, name=REGION, block=REGION)
             for n, layout in layouts.items()
@@ -360,7 +359,9 @@ def data_parallel(
         reads = tuple((sub, n) for sub in subs for n, p in sub._parameters.items() if p is not None)
         read_layouts = tuple(sub._data_parallel_layouts[n] for sub, n in reads)
         held = any(n in sub._data_parallel_shared for sub, n in reads)
-        _managed(m)._data_parallel_block = plan_block(m, reads, read_layouts, held)
+        plan = _managed(m)._data_parallel_block = plan_block(m, reads, read_layouts, held)
+        for i, ((sub, n), layout) in enumerate(zip(reads, read_layouts)):
+            dp.leaf_slots.append((plan.shards, i, sub._parameters, n, layout))
     for m in module.modules():
         attach(m, dp)
     root = _managed(module)

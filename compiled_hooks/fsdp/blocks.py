@@ -135,7 +135,7 @@ class BlockPlan:
     whether another module holds one too (then each is gathered on its own); and, so that a
     traced forward loops over none of them, each read's index by ``(id(module), attribute)``
     (as the state's ``region_reads`` finds it), each layout's name and the block's name that
-    the layouts carry."""
+    the layouts carry; and each read's leaf, which ``data_parallel`` links in place."""
 
     key: int
     reads: tuple[tuple[Any, str], ...]  # the modules as data_parallel made them
@@ -144,6 +144,7 @@ class BlockPlan:
     shared: bool
     read_index: dict[tuple[int, str], int]
     names: list[str]
+    shards: list[Any]  # each read's leaf (.leaves), as data_parallel links them
 
 
 def plan_block(
@@ -155,4 +156,7 @@ def plan_block(
     read_index = {(id(m), n): i for i, (m, n) in enumerate(reads)}
     names = [layout.name for layout in layouts]
     name = layouts[0].block if layouts else ""
-    return BlockPlan(block_key(block), reads, name, tensor_parallel, shared, read_index, names)
+    shards: list[Any] = [None] * len(reads)
+    return BlockPlan(
+        block_key(block), reads, name, tensor_parallel, shared, read_index, names, shards
+    )

@@ -39,9 +39,12 @@ from torch.distributed.tensor import DTensor
 from .. import compat
 from .layout import Layout
 
-__all__ = ["Leaves"]
+__all__ = ["Leaves", "Slot"]
 
 Params = Mapping[str, "nn.Parameter | None"]  # a module's own parameters, by attribute
+# where a traced read finds a parameter's leaf (a module's map by attribute, a block's list by
+# index), the key there, the parameter as a module holds it (Params, attribute), its layout
+Slot = tuple["dict[str, torch.Tensor] | list[Any]", "str | int", Params, str, Layout]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -59,13 +62,13 @@ class Leaves:
         self.entries: dict[str, tuple[Params, str, torch.Tensor]] = {}
         self._checked = False  # in the running backward
 
-    def link(self, slots: Iterable[tuple[dict[str, torch.Tensor], Params, str, Layout]]) -> None:
-        """Make the leaf of every parameter of ``slots`` that is not tensor-parallel. A slot
-        per holding module: the map its traced reads look the leaf up in, its own parameters
-        (``_parameters``), the attribute, the layout; one leaf per parameter, in the map of
-        every module that holds it."""
+    def link(self, slots: Iterable[Slot]) -> None:
+        """Make the leaf of every parameter of ``slots`` that is not tensor-parallel. A slot per
+        place a traced read looks the leaf up in: that map or list and the leaf's key there,
+        then the parameter as a module holds it (its ``_parameters`` and attribute) and its
+        layout; one leaf per parameter, in every place of its slots."""
         made: dict[str, torch.Tensor] = {}
-        for leaves, params, attr, layout in slots:
+        for leaves, key, params, attr, layout in slots:
             if layout.tensor_parallel is not None:
                 continue
             if layout.name not in made:
@@ -75,7 +78,7 @@ class Leaves:
                 leaf.register_post_accumulate_grad_hook(self._moved(layout.name))
                 made[layout.name] = leaf
                 self.entries[layout.name] = (params, attr, leaf)
-            leaves[attr] = made[layout.name]
+            leaves[key] = made[layout.name]
 
     def follow(self) -> None:
         """Each leaf requires grad as its parameter now does."""

@@ -36,7 +36,7 @@ from ..hooks import allreduce_hook, reduce_scatter_hook
 from ..state import DefaultState
 from .finalize import reduce_accumulated
 from .gather import Gathers, Layout, Reduction
-from .leaves import Leaves
+from .leaves import Leaves, Slot
 
 __all__ = [
     "DataParallelState",
@@ -98,10 +98,9 @@ class DataParallelState:
         # each parameter's slot for its (accumulator, marker): (the map of its module's
         # attributes that a traced forward reads, the module, the attribute, its layout)
         self.accumulator_slots: list[tuple[dict[str, Any], nn.Module, str, Layout]] = []
-        # what compiled reads gather from, and per parameter slot (the map of its module that
-        # a traced forward reads, the module's own parameters, the attribute, its layout)
+        # what compiled reads gather from, and where they find it (.leaves.Slot)
         self.leaves = Leaves()
-        self.leaf_slots: list[tuple[dict[str, torch.Tensor], Any, str, Layout]] = []
+        self.leaf_slots: list[Slot] = []
 
     def keep(self, name: str, full: torch.Tensor) -> None:
         """``reshard_after_forward=False``, eager: hold the gathered ``full`` for a recompute
