@@ -44,7 +44,7 @@ __all__ = ["Leaves", "Slot"]
 Params = Mapping[str, "nn.Parameter | None"]  # a module's own parameters, by attribute
 # where a traced read finds a parameter's leaf (a module's map by attribute, a block's list by
 # index), the key there, the parameter as a module holds it (Params, attribute), its layout
-Slot = tuple["dict[str, torch.Tensor] | list[Any]", "str | int", Params, str, Layout]
+Slot = tuple[Any, "str | int", Params, str, Layout]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
