@@ -208,9 +208,10 @@ def _block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     dp.region_reads.append((plan.read_index, params))
     try:
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            tensors = (*params, *args)
-            variant = regions.variant(seen, [(t.dtype, t.requires_grad, *t.shape) for t in tensors])
-            return _FLAT_REGION(self, plan.key, variant, *tensors)
+            # the parameters' sizes are their layouts', which the block's key holds
+            sizes: list[tuple[Any, ...]] = [(p.dtype, p.requires_grad) for p in params]
+            sizes += [(a.dtype, a.requires_grad, *a.shape) for a in args]
+            return _FLAT_REGION(self, plan.key, regions.variant(seen, sizes), *params, *args)
         leaves = tree_leaves((params, args, kwargs))
         sizes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
         return _REGION(self, plan.key, regions.variant(seen, sizes), params, args, kwargs)

@@ -69,9 +69,10 @@ def block_key(block: nn.Module) -> int:
 
 
 def variant(seen: list[Any], sizes: list[tuple[Any, ...]]) -> int:
-    """The index of ``sizes`` (one call's input sizes; for a call on tensors only, each input's
-    ``(dtype, requires_grad, *size)``) in ``seen``, appended if new. Sizes compare without a
-    guard where they are the same symbol or the same int, so a dynamic size does not
+    """The index of ``sizes`` (one call's input sizes; for a call on tensors only, each
+    gathered parameter's ``(dtype, requires_grad)``, its size being its layout's, then each
+    argument's ``(dtype, requires_grad, *size)``) in ``seen``, appended if new. Sizes compare
+    without a guard where they are the same symbol or the same int, so a dynamic size does not
     specialize."""
     found = next((i for i, s in enumerate(seen) if s == sizes), len(seen))
     if found == len(seen):
@@ -94,8 +95,8 @@ def region_key(
 
 def flat_region_key(block: nn.Module, key: int, variant: int, *tensors: torch.Tensor) -> int:
     """:func:`region_key` of a call on tensors only, passed flat, whose ``variant`` indexes its
-    inputs' ``(dtype, requires_grad, *size)``: the block's key, the variant and the count of
-    inputs."""
+    inputs' dtypes, ``requires_grad`` and sizes (see :func:`variant`): the block's key, the
+    variant and the count of inputs."""
     return hash((key, variant, len(tensors)))
 
 

@@ -237,6 +237,20 @@ def test_identical_blocks_on_inputs_that_need_no_gradient_get_a_subgraph_of_thei
     assert _four_linears_regions(torch.Tensor.detach) == (4, 2)
 
 
+def test_identical_blocks_whose_parameters_need_no_gradient_get_a_subgraph_of_their_own():
+    """Two of four identical blocks frozen after ``data_parallel`` (their key, made before,
+    says nothing of it): the frozen pair shares a subgraph, the trainable pair another."""
+    fake_process_group(4)
+    model = data_parallel(
+        nn.Sequential(*(nn.Linear(8, 8) for _ in range(4))), init_device_mesh("cpu", (4,))
+    )
+    for block in model[:2]:
+        block.requires_grad_(False)
+    with passes.install():
+        (_, fw), _ = data_parallel_graphs(model, torch.randn(4, 8, requires_grad=True))
+    assert _regions(fw) == (4, 2)
+
+
 def test_dynamic_shapes_keep_one_region_and_a_bucket_per_block():
     """A second sequence length recompiles once, with a symbolic size; the dynamic graph still
     calls one subgraph for every block, and the passes still bucket each block's gathers."""
