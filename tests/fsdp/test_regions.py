@@ -251,6 +251,7 @@ def test_identical_blocks_whose_parameters_need_no_gradient_get_a_subgraph_of_th
     assert _regions(fw) == (4, 2)
 
 
+@pytest.mark.slow  # three traces of two Llama layers; on every release through SLOW_ON_OTHERS
 def test_dynamic_shapes_keep_one_region_and_a_bucket_per_block():
     """A second sequence length recompiles once, with a symbolic size; the dynamic graph still
     calls one subgraph for every block, and the passes still bucket each block's gathers."""
