@@ -29,8 +29,8 @@ def _(x, k):
 
 
 @pytest.fixture
-def times(monkeypatch):
-    """A fresh timer, its wrappers undone afterwards."""
+def restored(monkeypatch):
+    """No timer installed yet, and what a timer wraps undone afterwards."""
     import torch._inductor.fx_utils as fx_utils
 
     monkeypatch.setattr(compile_time, "_installed", [])
@@ -38,10 +38,16 @@ def times(monkeypatch):
     monkeypatch.setattr(FakeTensorUpdater, "incremental_update", update)
     monkeypatch.setattr(Pipeline, "run", Pipeline.run)
     monkeypatch.setattr(fx_utils, "enable_python_dispatcher", fx_utils.enable_python_dispatcher)
+    return monkeypatch
+
+
+@pytest.fixture
+def times(restored):
+    """A fresh timer around torch's own update."""
     return compile_time.time_fake_tensor_updates()
 
 
-def test_the_fake_tensor_update_is_timed_once_through_its_recursion(monkeypatch, times):
+def test_the_fake_tensor_update_is_timed_once_through_its_recursion(restored):
     """Inductor's fake-tensor update recurses into each subgraph's updater: the time counts its
     outermost calls only, and every one of them."""
 
@@ -55,8 +61,7 @@ def test_the_fake_tensor_update_is_timed_once_through_its_recursion(monkeypatch,
             FakeTensorUpdater.incremental_update(self.inner)
         return 0
 
-    monkeypatch.setattr(compile_time, "_installed", [])
-    monkeypatch.setattr(FakeTensorUpdater, "incremental_update", fake_update)
+    restored.setattr(FakeTensorUpdater, "incremental_update", fake_update)
     total = compile_time.time_fake_tensor_updates()
     assert compile_time.time_fake_tensor_updates() is total  # asked again: one timer
     for _ in range(2):
