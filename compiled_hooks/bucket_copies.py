@@ -8,10 +8,15 @@ side by side, flattened (``rows == 1``: the pieces flattened end to end; ``rows 
 
     pieces  a = [a0 a1], b = [b0 b1 b2 b3], rows = 2     ->     flat = [a0 b0 b1 a1 b2 b3]
 
-``bucket_unpack(flat, rows, widths) -> pieces``: the inverse for an all-gather's output, each
-piece a new dense 1-D tensor of ``rows * width`` values::
+``bucket_unpack(flat, rows, widths, shapes=None) -> pieces``: the inverse for an all-gather's
+output, each piece a new dense 1-D tensor of ``rows * width`` values::
 
     flat = [a0 b0 b1 a1 b2 b3], rows = 2, widths = [1, 2]   ->   [a0 a1], [b0 b1 b2 b3]
+
+With ``shapes`` (each piece's shape, written out one after another, every one led by its
+length), piece ``i`` is its first values in the shape ``shapes`` gives it, rows of padding left
+out: ``shapes = [1, 2, 2, 1, 2]`` above gives ``[a0 a1]`` and ``[[b0 b1] [b2 b3]]``. The graph then
+holds the parameters themselves, with no view or slice node for each.
 
 ``passes.bucket_block_all_gathers`` and ``passes.bucket_block_reduce_scatters``
 write them. As opaque calls they cost Inductor nothing to lower, schedule or compile per block,
@@ -20,6 +25,8 @@ fusion around them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -50,29 +57,52 @@ def _(pieces: list[torch.Tensor], rows: int) -> torch.Tensor:
     return pieces[0].new_empty(sum(p.numel() for p in pieces))
 
 
-def _check_widths(flat: torch.Tensor, rows: int, widths: list[int]) -> None:
+def _sizes(
+    flat: torch.Tensor, rows: int, widths: list[int], shapes: list[int] | None
+) -> list[list[int]]:
+    """Each piece's shape (see the module docstring), checked against ``flat``'s size."""
     if flat.dim() != 1 or flat.numel() != rows * sum(widths):
         raise ValueError(
             f"bucket_unpack: {tuple(flat.shape)} is not {rows} rows of widths {list(widths)}"
         )
+    if shapes is None:
+        return [[rows * w] for w in widths]
+    sizes, at = [], 0
+    while at < len(shapes) and shapes[at] >= 0:
+        sizes.append(list(shapes[at + 1 : at + 1 + shapes[at]]))
+        at += 1 + shapes[at]
+    if (
+        at != len(shapes)
+        or len(sizes) != len(widths)
+        or any(math.prod(size) > rows * w for size, w in zip(sizes, widths))
+    ):
+        raise ValueError(
+            f"bucket_unpack: shapes {list(shapes)} are not {len(widths)} shapes of at most"
+            f" {[rows * w for w in widths]} values"
+        )
+    return sizes
 
 
 @torch.library.custom_op("compiled_hooks::bucket_unpack", mutates_args=())
-def bucket_unpack(flat: torch.Tensor, rows: int, widths: list[int]) -> list[torch.Tensor]:
-    """Each piece's columns of ``flat`` viewed as ``rows`` rows, dense and flattened (see the
-    module docstring)."""
-    _check_widths(flat, rows, widths)
+def bucket_unpack(
+    flat: torch.Tensor, rows: int, widths: list[int], shapes: list[int] | None = None
+) -> list[torch.Tensor]:
+    """Each piece's columns of ``flat`` viewed as ``rows`` rows, dense, flattened or in the
+    shape ``shapes`` gives it (see the module docstring)."""
+    sizes = _sizes(flat, rows, widths, shapes)
     outs = [flat.new_empty(rows * w) for w in widths]
     torch.split_with_sizes_copy(
         flat.view(rows, -1), widths, dim=1, out=[o.view(rows, w) for o, w in zip(outs, widths)]
     )
-    return outs
+    # a shorter piece is a view of its dense copy: its padding rows are never read
+    return [o[: math.prod(size)].view(size) for o, size in zip(outs, sizes)]
 
 
 @bucket_unpack.register_fake
-def _(flat: torch.Tensor, rows: int, widths: list[int]) -> list[torch.Tensor]:
-    _check_widths(flat, rows, widths)
-    return [flat.new_empty(rows * w) for w in widths]
+def _(
+    flat: torch.Tensor, rows: int, widths: list[int], shapes: list[int] | None = None
+) -> list[torch.Tensor]:
+    return [flat.new_empty(size) for size in _sizes(flat, rows, widths, shapes)]
 
 
 BUCKET_PACK = torch.ops.compiled_hooks.bucket_pack.default

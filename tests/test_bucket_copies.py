@@ -5,6 +5,8 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from compiled_hooks.bucket_copies import BUCKET_PACK, BUCKET_UNPACK, bucket_pack, bucket_unpack
 
@@ -23,10 +25,24 @@ def test_pack_lays_rows_side_by_side_and_unpack_reverses_a_gather():
     assert got_a.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr()
 
 
+def test_unpack_to_shapes_gives_each_piece_its_rows_and_leaves_padding_out():
+    # two ranks' shards of a (3, 2) parameter padded to 2 rows each, and of a 1-D one of 4
+    w, b = torch.arange(6.0).view(3, 2), torch.arange(10.0, 14.0)
+    shards = [(F.pad(w, [0, 0, 0, 1])[2 * r : 2 * r + 2], b[2 * r : 2 * r + 2]) for r in range(2)]
+    gathered = torch.cat([bucket_pack(list(pieces), 1) for pieces in shards])
+    got_w, got_b = bucket_unpack(gathered, 2, [4, 2], [2, 3, 2, 1, 4])
+    assert torch.equal(got_w, w) and torch.equal(got_b, b)
+    # the sizes of the shapes only, none of the values, are what a fake call reads
+    with FakeTensorMode() as mode:
+        fake = bucket_unpack(mode.from_tensor(gathered), 2, [4, 2], [2, 3, 2, 1, 4])
+    assert [tuple(t.shape) for t in fake] == [(3, 2), (4,)]
+
+
 def test_fake_kernels_agree_with_the_real_ones():
     pieces = [torch.randn(4, 3), torch.randn(6)]
     torch.library.opcheck(BUCKET_PACK, (pieces, 2))
     torch.library.opcheck(BUCKET_UNPACK, (torch.randn(2 * 9), 2, [6, 3]))
+    torch.library.opcheck(BUCKET_UNPACK, (torch.randn(2 * 9), 2, [6, 3], [2, 5, 2, 1, 6]))
 
 
 @pytest.mark.parametrize(
@@ -36,6 +52,11 @@ def test_fake_kernels_agree_with_the_real_ones():
         (lambda: bucket_pack([torch.ones(2), torch.ones(2, dtype=torch.bfloat16)], 1), "dtypes"),
         (lambda: bucket_pack([torch.ones(3)], 2), r"shapes \[\(3,\)\] do not split into 2 rows"),
         (lambda: bucket_unpack(torch.ones(10), 2, [2, 2]), "is not 2 rows of widths"),
+        (lambda: bucket_unpack(torch.ones(8), 2, [2, 2], [1, 4]), "are not 2 shapes"),
+        (lambda: bucket_unpack(torch.ones(8), 2, [2, 2], [1, 4, 1, 5]), r"at most \[4, 4\] values"),
+        (lambda: bucket_unpack(torch.ones(8), 2, [2, 2], [1, 4, 3, 1]), "are not 2 shapes"),
+        (lambda: bucket_unpack(torch.ones(8), 2, [2, 2], [1, 4, 1, 4, 0]), "are not 2 shapes"),
+        (lambda: bucket_unpack(torch.ones(8), 2, [2, 2], [1, 4, -1, 4]), "are not 2 shapes"),
     ],
 )
 def test_bad_input_names_the_problem(call, message):

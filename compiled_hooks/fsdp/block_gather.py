@@ -3,12 +3,11 @@ a flat parameter: one all-gather of the block's packed shards in forward, one co
 its packed, rank-major gradient in backward (shards padded to ``rows`` rows each, ``N`` ranks)::
 
     forward:   flat = bucket_pack([pad(s.to(param_dtype)) for s in shards], 1)
-               full = bucket_unpack(all_gather(flat), N, widths)    # piece i: N * width_i
-               params = [f.reshape(N * rows_i, ...)[:R_i] for f in full]
+               params = bucket_unpack(all_gather(flat), N, widths, shapes)  # param i: shape_i
     backward:  g = bucket_pack([pad(grad_i.to(in_dtype)) for each i], N)  # rank r's rows together
                out = empty(sum(widths)); hook(state, g, out)           # reduce-scatter
                replica_hook(replica_state, out)                        # hybrid_shard only
-               shard_grad_i = bucket_unpack(out, 1, widths)[i].view(rows_i, ...)[:local_rows_i]
+               shard_grads = bucket_unpack(out, 1, widths, local_shapes)  # (local_rows_i, ...)
 
 The same values as a gather and a hook call per parameter (:mod:`.gather`) where every hook is
 elementwise over its gradient: the :func:`.gather.stateless` hooks (:func:`fits`). What the
@@ -62,13 +61,13 @@ def fits(
     )
 
 
-def _rows(
-    piece: torch.Tensor, rows: int, shape: torch.Size, keep: int | None = None
-) -> torch.Tensor:
-    """The flat ``piece`` as ``rows`` rows of ``shape[1:]``, its first ``keep`` (``shape[0]``)."""
-    keep = shape[0] if keep is None else keep
-    full = piece if len(shape) == 1 else piece.view(rows, *shape[1:])
-    return full if keep == rows else full[:keep]
+def _shapes(layouts: tuple[Layout, ...], local: bool) -> list[int]:
+    """``bucket_unpack``'s ``shapes`` for the gathered parameters (``local``: the shards)."""
+    out: list[int] = []
+    for layout in layouts:
+        rows = layout.local_rows if local else layout.shape[0]
+        out += [len(layout.shape), rows, *layout.shape[1:]]
+    return out
 
 
 class _BlockGatherReduce(torch.autograd.Function):
@@ -84,10 +83,7 @@ class _BlockGatherReduce(torch.autograd.Function):
         pieces = [pad_rows(s.to(dtype), layout.rows) for s, layout in zip(shards, layouts)]
         full = compat.all_gather_single(bucket_pack(pieces, 1), 0, reduction.shard_group)
         size = reduction.shard_size()
-        return tuple(
-            _rows(piece, size * layout.rows, layout.shape)
-            for piece, layout in zip(bucket_unpack(full, size, ctx.widths), layouts)
-        )
+        return tuple(bucket_unpack(full, size, ctx.widths, _shapes(layouts, local=False)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -109,11 +105,9 @@ class _BlockGatherReduce(torch.autograd.Function):
         # unpacked into new tensors: views of ``out``, which the hook wrote, cost AOTAutograd's
         # functionalization a replay of every view each time one is read
         shard_grads = [
-            None
-            if grad is None
-            else _rows(piece, layout.rows, layout.shape, layout.local_rows).to(shard_dtype)
-            for grad, piece, layout, shard_dtype in zip(
-                grads, bucket_unpack(out, 1, ctx.widths), layouts, ctx.dtypes
+            None if grad is None else piece.to(shard_dtype)
+            for grad, piece, shard_dtype in zip(
+                grads, bucket_unpack(out, 1, ctx.widths, _shapes(layouts, local=True)), ctx.dtypes
             )
         ]
         return None, None, *shard_grads
