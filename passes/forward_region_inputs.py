@@ -18,8 +18,10 @@ resharding gather is recomputed (gathered again) in backward and a kept one save
     g = invoke_subgraph(bw, o[1], ..., dy)        g = invoke_subgraph(bw, wt, ..., dy)
 
 A forward output is rebuilt only when it is a chain of ATen view ops from one of the forward's
-inputs; anything else stays a saved output. Values are the same: a view of the same input.
-Idempotent (a rebuilt read is no longer a forward output).
+inputs; anything else stays a saved output. A chain that ends where it started (the same sizes,
+strides and offset as the input, as ``t(t(w))``) is the input itself and rebuilds to no node.
+Values are the same: a view of the same input. Idempotent (a rebuilt read is no longer a
+forward output).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import operator
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 __all__ = ["forward_region_inputs"]
 
@@ -53,6 +56,20 @@ def _view_chain(out: Node) -> tuple[int, list[Node]] | None:
     if node.op != "placeholder":
         return None
     return node.graph.find_nodes(op="placeholder").index(node), chain[::-1]
+
+
+def _same_view(a: object, b: object) -> bool:
+    """``a`` and ``b`` are fake tensors that view their storage alike, provably."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    return a.dtype == b.dtype and all(
+        statically_known_true(sym_eq(x, y))
+        for x, y in [
+            (a.shape, b.shape),
+            (a.stride(), b.stride()),
+            (a.storage_offset(), b.storage_offset()),
+        ]
+    )
 
 
 def _subgraph(graph: Graph, hop: Node) -> GraphModule | None:
@@ -85,6 +102,9 @@ def forward_region_inputs(graph: Graph) -> bool:
             value = fw.args[2 + position]
             if not isinstance(value, Node):
                 continue
+            source = sub.graph.find_nodes(op="placeholder")[position]
+            if chain and _same_view(chain[-1].meta.get("val"), source.meta.get("val")):
+                chain = []
             with graph.inserting_before(bw):
                 for view in chain:
                     target = view.target

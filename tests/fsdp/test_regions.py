@@ -91,6 +91,26 @@ def test_without_the_joint_pass_the_region_would_keep_what_it_gathered():
     assert _count(bw, GATHER) < FEW
 
 
+def test_a_rebuilt_view_that_ends_where_it_started_is_the_gathered_parameter():
+    """A linear's forward passes its weight back as ``t(t(w))``: the backward region reads the
+    gathered ``w`` itself, with no view node in between."""
+    (_, bw) = _llama_graphs(True, layers=FEW)[1]
+    identities = []
+    for hop in bw.graph.find_nodes(op="call_function", target=HOP):
+        for read in hop.args[2:]:
+            root = read
+            while isinstance(root, torch.fx.Node) and getattr(root.target, "is_view", False):
+                root = root.args[0]
+            if root is not read and _same_view(read.meta["val"], root.meta["val"]):
+                identities.append(read)
+    assert _count(bw, GATHER) >= FEW  # the weights are gathered again, and read
+    assert identities == []
+
+
+def _same_view(a, b):
+    return (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+
+
 def _dynamo_graph(model, tokens):
     """The graph Dynamo hands the backend for one compiled forward under ``install()``."""
     graphs = []
