@@ -15,7 +15,7 @@ output, each piece a new dense 1-D tensor of ``rows * width`` values::
 
 With ``shapes`` (each piece's shape, written out one after another, every one led by its
 length), piece ``i`` is its first values in the shape ``shapes`` gives it, rows of padding left
-out: ``shapes = [1, 2, 2, 1, 2]`` above gives ``[a0 a1]`` and ``[[b0 b1] [b2 b3]]``. The graph then
+out: ``shapes = [1, 2, 2, 2, 2]`` above gives ``[a0 a1]`` and ``[[b0 b1] [b2 b3]]``. The graph then
 holds the parameters themselves, with no view or slice node for each.
 
 ``passes.bucket_block_all_gathers`` and ``passes.bucket_block_reduce_scatters``
