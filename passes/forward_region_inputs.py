@@ -38,9 +38,24 @@ HOP = torch.ops.higher_order.invoke_subgraph
 TAGS = ("recompute", "ac_graph_id")  # what the partitioner reads of a checkpointed node
 
 
+def _same_view(a: object, b: object) -> bool:
+    """``a`` and ``b`` are fake tensors that view their storage alike, provably."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    return a.dtype == b.dtype and all(
+        statically_known_true(sym_eq(x, y))
+        for x, y in [
+            (a.shape, b.shape),
+            (a.stride(), b.stride()),
+            (a.storage_offset(), b.storage_offset()),
+        ]
+    )
+
+
 def _view_chain(out: Node) -> tuple[int, list[Node]] | None:
     """``(input index, views from that input to out)`` when ``out`` is a chain of ATen view
-    ops from a placeholder of its graph; None otherwise."""
+    ops from a placeholder of its graph, no views where the chain ends where it started; None
+    otherwise."""
     chain: list[Node] = []
     node = out
     while node.op == "call_function":
@@ -55,21 +70,9 @@ def _view_chain(out: Node) -> tuple[int, list[Node]] | None:
         node = node.args[0]
     if node.op != "placeholder":
         return None
+    if _same_view(out.meta.get("val"), node.meta.get("val")):
+        chain = []
     return node.graph.find_nodes(op="placeholder").index(node), chain[::-1]
-
-
-def _same_view(a: object, b: object) -> bool:
-    """``a`` and ``b`` are fake tensors that view their storage alike, provably."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        return False
-    return a.dtype == b.dtype and all(
-        statically_known_true(sym_eq(x, y))
-        for x, y in [
-            (a.shape, b.shape),
-            (a.stride(), b.stride()),
-            (a.storage_offset(), b.storage_offset()),
-        ]
-    )
 
 
 def _subgraph(graph: Graph, hop: Node) -> GraphModule | None:
@@ -102,9 +105,6 @@ def forward_region_inputs(graph: Graph) -> bool:
             value = fw.args[2 + position]
             if not isinstance(value, Node):
                 continue
-            source = sub.graph.find_nodes(op="placeholder")[position]
-            if chain and _same_view(chain[-1].meta.get("val"), source.meta.get("val")):
-                chain = []
             with graph.inserting_before(bw):
                 for view in chain:
                     target = view.target
